@@ -1,0 +1,230 @@
+"""The training graph that every solver plans over.
+
+A `Graph` is a DAG of forward, loss and backward nodes whose ids are a topological order
+(edge ``(i, k)`` implies ``i < k``).  Each node carries a profiled cost:
+
+* ``time``: seconds to compute it once;
+* ``bytes``: bytes of its output, allocated when it runs and held until freed;
+* ``workspace_bytes``: transient bytes that live only while it runs.
+
+``fixed_bytes`` is memory resident for the whole step (parameters, gradients, inputs,
+optimizer state); no schedule can remove it and every budget includes it.  A breakdown of it
+may sit in ``meta["fixed_breakdown"]``.
+
+JSON format (``remat.graph``, version 1)::
+
+    {"format": "remat.graph", "version": 1,
+     "nodes": [{"id": 0, "name": "fc1", "kind": "forward", "time": 1e-3, "bytes": 4096,
+                "workspace_bytes": 0}, ...],
+     "edges": [[0, 1], ...], "fixed_bytes": 0, "meta": {...}}
+
+Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable
+
+from .errors import InvalidInputError
+
+FORMAT = "remat.graph"
+VERSION = 1
+KINDS = ("forward", "loss", "backward")
+DEFAULT_BANDWIDTH = 16e9  # bytes/s, host<->device, until a frontend measures it
+
+
+@dataclass(frozen=True)
+class Node:
+    id: int
+    name: str
+    kind: str
+    time: float
+    bytes: int
+    workspace_bytes: int = 0
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def to_dict(self) -> dict:
+        d = {"id": self.id, "name": self.name, "kind": self.kind, "time": self.time,
+             "bytes": self.bytes, "workspace_bytes": self.workspace_bytes}
+        d.update(self.extra)
+        return d
+
+
+class Graph:
+    """A validated training DAG. Construct with `Graph(nodes, edges, fixed_bytes, meta)`."""
+
+    def __init__(self, nodes: Iterable[Node], edges: Iterable[tuple[int, int]],
+                 fixed_bytes: int = 0, meta: dict | None = None):
+        self.nodes: list[Node] = list(nodes)
+        self.edges: list[tuple[int, int]] = sorted({(int(a), int(b)) for a, b in edges})
+        self.fixed_bytes = int(fixed_bytes)
+        self.meta: dict = dict(meta or {})
+        self._validate()
+
+    # ---- structure -------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        return len(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @cached_property
+    def preds(self) -> list[list[int]]:
+        p: list[list[int]] = [[] for _ in self.nodes]
+        for a, b in self.edges:
+            p[b].append(a)
+        return p
+
+    @cached_property
+    def succs(self) -> list[list[int]]:
+        s: list[list[int]] = [[] for _ in self.nodes]
+        for a, b in self.edges:
+            s[a].append(b)
+        return s
+
+    @property
+    def times(self) -> list[float]:
+        return [v.time for v in self.nodes]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [v.bytes for v in self.nodes]
+
+    @property
+    def bandwidth(self) -> float:
+        """Host<->device bytes/s for the swap model: measured value in meta, else the default."""
+        return float(self.meta.get("bandwidth", DEFAULT_BANDWIDTH))
+
+    @property
+    def total_time(self) -> float:
+        """Time of one forward+backward with no recomputation (checkpoint-all)."""
+        return float(sum(self.times))
+
+    def forward_ids(self) -> list[int]:
+        return [v.id for v in self.nodes if v.kind == "forward"]
+
+    def to_networkx(self):
+        import networkx as nx
+        g = nx.DiGraph()
+        for v in self.nodes:
+            g.add_node(v.id, name=v.name, kind=v.kind, time=v.time, bytes=v.bytes)
+        g.add_edges_from(self.edges)
+        return g
+
+    # ---- validation ------------------------------------------------------------------
+    def _validate(self) -> None:
+        ids = [v.id for v in self.nodes]
+        if ids != list(range(len(ids))):
+            raise InvalidInputError("graph.nodes: ids must be 0..n-1 in order (a topological order); "
+                                    f"got {ids[:10]}{'...' if len(ids) > 10 else ''}")
+        if not self.nodes:
+            raise InvalidInputError("graph.nodes: the graph has no nodes")
+        for v in self.nodes:
+            where = f"graph.nodes[{v.id}] ({v.name!r})"
+            if v.kind not in KINDS:
+                raise InvalidInputError(f"{where}.kind: unknown kind {v.kind!r}; expected one of {KINDS}")
+            if not isinstance(v.time, (int, float)) or not math.isfinite(v.time) or v.time < 0:
+                raise InvalidInputError(f"{where}.time: must be a finite number >= 0, got {v.time!r}")
+            for key in ("bytes", "workspace_bytes"):
+                val = getattr(v, key)
+                if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                    raise InvalidInputError(f"{where}.{key}: must be an integer >= 0, got {val!r}")
+        n = len(self.nodes)
+        for a, b in self.edges:
+            if not (0 <= a < n and 0 <= b < n):
+                raise InvalidInputError(f"graph.edges: edge [{a}, {b}] names a missing node (ids are 0..{n - 1})")
+            if a == b:
+                raise InvalidInputError(f"graph.edges: self-loop [{a}, {b}] makes a cycle")
+        back = [(a, b) for a, b in self.edges if a > b]
+        if back:
+            cyc = self._find_cycle()
+            if cyc:
+                raise InvalidInputError(f"graph.edges: the graph has a cycle through nodes {cyc}")
+            raise InvalidInputError(f"graph.edges: edge {list(back[0])} goes backwards; node ids must be a "
+                                    "topological order (renumber the nodes)")
+        if self.fixed_bytes < 0:
+            raise InvalidInputError(f"graph.fixed_bytes: must be >= 0, got {self.fixed_bytes}")
+
+    def _find_cycle(self) -> list[int] | None:
+        import networkx as nx
+        try:
+            cyc = nx.find_cycle(self.to_networkx())
+        except nx.NetworkXNoCycle:
+            return None
+        return [a for a, _ in cyc]
+
+    # ---- serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION,
+                "nodes": [v.to_dict() for v in self.nodes],
+                "edges": [list(e) for e in self.edges],
+                "fixed_bytes": self.fixed_bytes, "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Graph":
+        if not isinstance(d, dict):
+            raise InvalidInputError("graph: expected a JSON object")
+        if d.get("format") != FORMAT:
+            raise InvalidInputError(f"graph.format: expected {FORMAT!r}, got {d.get('format')!r}")
+        if d.get("version") != VERSION:
+            raise InvalidInputError(f"graph.version: this remat reads version {VERSION}, got {d.get('version')!r}")
+        for key in ("nodes", "edges"):
+            if not isinstance(d.get(key), list):
+                raise InvalidInputError(f"graph.{key}: missing or not a list")
+        nodes = []
+        for idx, nd in enumerate(d["nodes"]):
+            if not isinstance(nd, dict):
+                raise InvalidInputError(f"graph.nodes[{idx}]: expected an object")
+            for key in ("id", "kind", "time", "bytes"):
+                if key not in nd:
+                    raise InvalidInputError(f"graph.nodes[{idx}].{key}: missing")
+            extra = {k: v for k, v in nd.items()
+                     if k not in ("id", "name", "kind", "time", "bytes", "workspace_bytes")}
+            nodes.append(Node(id=nd["id"], name=str(nd.get("name", f"n{nd['id']}")), kind=nd["kind"],
+                              time=nd["time"], bytes=nd["bytes"],
+                              workspace_bytes=nd.get("workspace_bytes", 0), extra=extra))
+        edges = []
+        for idx, e in enumerate(d["edges"]):
+            if not (isinstance(e, (list, tuple)) and len(e) == 2 and all(isinstance(x, int) for x in e)):
+                raise InvalidInputError(f"graph.edges[{idx}]: expected [src, dst] integers, got {e!r}")
+            edges.append((e[0], e[1]))
+        fixed = d.get("fixed_bytes", 0)
+        if not isinstance(fixed, int) or isinstance(fixed, bool):
+            raise InvalidInputError(f"graph.fixed_bytes: must be an integer, got {fixed!r}")
+        meta = d.get("meta", {})
+        if not isinstance(meta, dict):
+            raise InvalidInputError("graph.meta: expected an object")
+        return cls(nodes, edges, fixed, meta)
+
+    def content_hash(self) -> str:
+        """sha256 over what the planner depends on (nodes, edges, fixed bytes), not meta."""
+        body = {"nodes": [v.to_dict() for v in self.nodes], "edges": [list(e) for e in self.edges],
+                "fixed_bytes": self.fixed_bytes}
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Graph":
+        return cls.from_dict(read_json(path, "graph"))
+
+    def __repr__(self) -> str:
+        return (f"Graph(n={self.n}, edges={len(self.edges)}, fixed_bytes={self.fixed_bytes}, "
+                f"model={self.meta.get('model', '?')!r})")
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    p = Path(path)
+    if not p.exists():
+        raise InvalidInputError(f"{what} file {str(p)!r} does not exist")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise InvalidInputError(f"{what} file {str(p)!r} is not valid JSON: {e}") from None

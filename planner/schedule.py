@@ -1,0 +1,208 @@
+"""Schedules: stage matrices and the op list they imply.
+
+Stages follow Checkmate's frontier-advancing structure: there are T = n stages and stage t
+computes node t for the first time, possibly recomputing nodes < t.  Per stage t:
+
+* ``compute`` (R[t]):  nodes evaluated in stage t, run in index order;
+* ``keep``    (S[t]):  outputs resident on the device at the start of stage t;
+* ``swap_out``(SO[t]): resident outputs whose copy to the host starts at the stage start
+  (the device copy stays for the whole stage, then is freed unless kept into t+1);
+* ``swap_in`` (SI[t]): host copies brought back during stage t; their device bytes are allocated
+  at the stage start and they are usable from stage t+1 on (prefetch one stage ahead).
+
+The op list of stage t is (the contract every solver and the executor share):
+
+1. ``swap_out i`` for i in SO[t], then ``swap_in i`` for i in SI[t] (issued at the stage start);
+2. for k in R[t] ascending: ``compute k``, then ``free i`` for each input i of k that has no later
+   consumer in R[t], is not kept into t+1 and is not being swapped out (Checkmate's FREE rule);
+3. ``wait i`` for every transfer of the stage;
+4. ``free i`` for every output still resident that is not kept into t+1.
+
+So a stage lasts max(compute time, transfer time): the ILP's time model (see solvers/ilp.py).
+A schedule may also be a bare op list (``stages`` None), as DTR's replay produces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from .errors import InvalidInputError
+from .graph import Graph
+
+OPS = ("compute", "free", "swap_out", "swap_in", "wait")
+
+
+@dataclass
+class Stage:
+    compute: list[int]
+    keep: list[int] = field(default_factory=list)
+    swap_out: list[int] = field(default_factory=list)
+    swap_in: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"compute": list(self.compute), "keep": list(self.keep),
+                "swap_out": list(self.swap_out), "swap_in": list(self.swap_in)}
+
+
+@dataclass(frozen=True)
+class Op:
+    op: str
+    node: int
+    stage: int = -1
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "node": self.node, "stage": self.stage}
+
+
+@dataclass
+class Schedule:
+    ops: list[Op]
+    stages: list[Stage] | None = None
+    # what the solver says about how it got here: name, status ("optimal" | "feasible" |
+    # "heuristic"), objective, lower_bound, gap, wall_time, options...; not part of the op contract
+    report: dict = field(default_factory=dict, compare=False)
+
+    # ---- construction ----------------------------------------------------------------
+    @classmethod
+    def from_stages(cls, graph: Graph, stages: Sequence[Stage]) -> "Schedule":
+        stages = [Stage(sorted(s.compute), sorted(s.keep), sorted(s.swap_out), sorted(s.swap_in))
+                  for s in stages]
+        return cls(ops_from_stages(graph, stages), stages)
+
+    @classmethod
+    def from_sets(cls, graph: Graph, keep: Sequence[Iterable[int]],
+                  swap_out: Sequence[Iterable[int]] | None = None,
+                  swap_in: Sequence[Iterable[int]] | None = None) -> "Schedule":
+        """Schedule from S (and swaps), with the minimal R that S implies (`solve_r_opt`)."""
+        T = graph.n
+        S = [set(keep[t]) if t < len(keep) else set() for t in range(T)]
+        SO = [set(swap_out[t]) for t in range(T)] if swap_out else [set() for _ in range(T)]
+        SI = [set(swap_in[t]) for t in range(T)] if swap_in else [set() for _ in range(T)]
+        R = solve_r_opt(graph, S, SI)
+        return cls.from_stages(graph, [Stage(sorted(R[t]), sorted(S[t]), sorted(SO[t]), sorted(SI[t]))
+                                       for t in range(T)])
+
+    # ---- views -----------------------------------------------------------------------
+    def matrices(self, n: int):
+        """Dense 0/1 numpy matrices (R, S, SO, SI), each T x n. Needs stages."""
+        import numpy as np
+        if self.stages is None:
+            raise ValueError("this schedule is a bare op list; it has no stage matrices")
+        T = len(self.stages)
+        mats = [np.zeros((T, n), dtype=np.int8) for _ in range(4)]
+        for t, s in enumerate(self.stages):
+            for m, ids in zip(mats, (s.compute, s.keep, s.swap_out, s.swap_in)):
+                m[t, list(ids)] = 1
+        return tuple(mats)
+
+    def compute_counts(self, n: int) -> list[int]:
+        counts = [0] * n
+        for o in self.ops:
+            if o.op == "compute":
+                counts[o.node] += 1
+        return counts
+
+    # ---- serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {"ops": [o.to_dict() for o in self.ops]}
+        if self.stages is not None:
+            d["stages"] = [s.to_dict() for s in self.stages]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, graph: Graph | None = None) -> "Schedule":
+        if not isinstance(d, dict):
+            raise InvalidInputError("schedule: expected an object")
+        if not isinstance(d.get("ops"), list):
+            raise InvalidInputError("schedule.ops: missing or not a list")
+        n = graph.n if graph is not None else None
+        ops = []
+        for idx, o in enumerate(d["ops"]):
+            if not isinstance(o, dict) or o.get("op") not in OPS:
+                raise InvalidInputError(f"schedule.ops[{idx}].op: expected one of {OPS}, got "
+                                        f"{o.get('op') if isinstance(o, dict) else o!r}")
+            node = o.get("node")
+            if not isinstance(node, int) or isinstance(node, bool) or (n is not None and not 0 <= node < n):
+                raise InvalidInputError(f"schedule.ops[{idx}].node: not a node of the graph: {node!r}")
+            stage = o.get("stage", -1)
+            if not isinstance(stage, int):
+                raise InvalidInputError(f"schedule.ops[{idx}].stage: expected an integer, got {stage!r}")
+            ops.append(Op(o["op"], node, stage))
+        stages = None
+        if d.get("stages") is not None:
+            if not isinstance(d["stages"], list):
+                raise InvalidInputError("schedule.stages: expected a list")
+            stages = []
+            for idx, s in enumerate(d["stages"]):
+                if not isinstance(s, dict) or not isinstance(s.get("compute"), list):
+                    raise InvalidInputError(f"schedule.stages[{idx}].compute: missing or not a list")
+                for key in ("compute", "keep", "swap_out", "swap_in"):
+                    ids = s.get(key, [])
+                    if not isinstance(ids, list) or not all(isinstance(i, int) and (n is None or 0 <= i < n)
+                                                            for i in ids):
+                        raise InvalidInputError(f"schedule.stages[{idx}].{key}: expected a list of node ids")
+                stages.append(Stage(s["compute"], s.get("keep", []), s.get("swap_out", []),
+                                    s.get("swap_in", [])))
+        return cls(ops, stages)
+
+
+def solve_r_opt(graph: Graph, S: Sequence[set[int]], SI: Sequence[set[int]] | None = None) -> list[set[int]]:
+    """Minimal R consistent with S (Checkmate's solve_r_opt), given swap-ins SI.
+
+    R[t] holds t, every i kept into t+1 that is neither resident at t nor swapped in during t,
+    and, transitively, every input of a computed node that is not resident at the start of t.
+    """
+    T = graph.n
+    SI = SI or [set() for _ in range(T)]
+    R: list[set[int]] = []
+    for t in range(T):
+        need = {t}
+        if t + 1 < T:
+            need |= {i for i in S[t + 1] if i not in S[t] and i not in SI[t]}
+        r: set[int] = set()
+        for v in sorted(need, reverse=True):
+            _add_with_deps(graph, v, S[t], r)
+        R.append(r)
+    return R
+
+
+def _add_with_deps(graph: Graph, v: int, resident: set[int], r: set[int]) -> None:
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if x in r:
+            continue
+        r.add(x)
+        stack.extend(u for u in graph.preds[x] if u not in resident and u not in r)
+
+
+def ops_from_stages(graph: Graph, stages: Sequence[Stage]) -> list[Op]:
+    """The op list that stage matrices imply (module docstring, steps 1-4)."""
+    ops: list[Op] = []
+    T = len(stages)
+    succs = graph.succs
+    for t, st in enumerate(stages):
+        nxt = set(stages[t + 1].keep) if t + 1 < T else set()
+        comp = sorted(st.compute)
+        comp_set = set(comp)
+        swap_out = set(st.swap_out)
+        resident = set(st.keep) | set(st.swap_in)
+        for i in sorted(st.swap_out):
+            ops.append(Op("swap_out", i, t))
+        for i in sorted(st.swap_in):
+            ops.append(Op("swap_in", i, t))
+        for k in comp:
+            ops.append(Op("compute", k, t))
+            resident.add(k)
+            for i in sorted(set(graph.preds[k])):
+                if i in nxt or i in swap_out or i not in resident:
+                    continue
+                if any(j > k and j in comp_set for j in succs[i]):
+                    continue
+                ops.append(Op("free", i, t))
+                resident.discard(i)
+        for i in sorted(set(st.swap_out) | set(st.swap_in)):
+            ops.append(Op("wait", i, t))
+        for i in sorted(resident - nxt):
+            ops.append(Op("free", i, t))
+    return ops

@@ -1,0 +1,116 @@
+"""Checkpoint-set baselines and the S -> R -> simulate path they share (Checkmate §2.1).
+
+A baseline picks a set K of forward nodes to keep ("checkpoints"); `schedule_from_checkpoints`
+turns K into stage matrices the same way for every strategy, so comparisons are fair:
+
+1. backward values are never recomputed: a backward output stays resident from the stage after
+   it is computed until the stage of its last consumer;
+2. every node's inputs are resident at the start of its own stage;
+3. checkpoints stay resident from the stage after they are computed until their last consumer;
+4. forward block: while the forward pass is inside segment j (between consecutive checkpoints)
+   the values computed so far in the segment stay resident;
+5. backward ladder: from the first backward stage that consumes a value of segment j until the
+   last one, all of the segment's forward values that are still needed stay resident, so each
+   segment is recomputed once and then held.
+
+R is the minimal recomputation that S implies (`solve_r_opt`); the simulator then gives memory
+and time.  (Checkmate keeps checkpoints to the end of the step; we release them after their
+last consumer, which only lowers the baseline's peak.)
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from remat.errors import InfeasibleBudgetError
+from remat.graph import Graph
+from remat.schedule import Schedule
+from remat.simulate import SimResult, simulate
+
+from . import register
+
+
+def schedule_from_checkpoints(graph: Graph, checkpoints: Iterable[int]) -> Schedule:
+    n = graph.n
+    K = sorted(set(checkpoints))
+    fwd = graph.forward_ids()
+    last_use = [max(s) if s else i for i, s in enumerate(graph.succs)]
+    S: list[set[int]] = [set() for _ in range(n)]
+
+    def hold(i: int, first: int, last: int) -> None:
+        for t in range(max(first, i + 1), min(last, n - 1) + 1):
+            S[t].add(i)
+
+    # 1. backward (and loss) values live until their last consumer
+    for v in graph.nodes:
+        if v.kind != "forward":
+            hold(v.id, v.id + 1, last_use[v.id])
+    # 2. inputs resident at the start of the consumer's stage
+    for u, v in graph.edges:
+        S[v].add(u)
+    # 3. checkpoints
+    for k in K:
+        hold(k, k + 1, last_use[k])
+    # segments over the forward order, cut after each checkpoint
+    seg_of: dict[int, int] = {}
+    seg = 0
+    segments: list[list[int]] = [[]]
+    for v in fwd:
+        seg_of[v] = seg
+        segments[-1].append(v)
+        if v in K:
+            seg += 1
+            segments.append([])
+    segments = [s for s in segments if s]
+    # 4. forward block
+    for members in segments:
+        for idx, v in enumerate(members):
+            for u in members[:idx]:
+                if last_use[u] >= v:
+                    S[v].add(u)
+    # 5. backward ladder
+    for members in segments:
+        mset = set(members)
+        consumers = sorted({k for u in members for k in graph.succs[u]
+                            if graph.nodes[k].kind == "backward"})
+        if not consumers:
+            continue
+        first, last = consumers[0], consumers[-1]
+        for u in members:
+            hold(u, first + 1, min(last, last_use[u]))
+        del mset
+    return Schedule.from_sets(graph, S)
+
+
+def checked(graph: Graph, schedule: Schedule, budget_bytes: int | None, name: str,
+            bandwidth: float | None = None) -> tuple[Schedule, SimResult]:
+    """Simulate a baseline's schedule; raise if it is invalid or does not fit the budget."""
+    res = simulate(graph, schedule, bandwidth)
+    if not res.valid:  # a bug in the strategy, never a user's problem
+        raise AssertionError(f"{name} produced an invalid schedule: {res.violation}")
+    if budget_bytes is not None and res.peak_bytes > budget_bytes:
+        raise InfeasibleBudgetError(
+            f"{name}: its schedule peaks at {res.peak_bytes} bytes, over the budget of {budget_bytes}",
+            budget_bytes, fixed_bytes=graph.fixed_bytes)
+    schedule.report.update({"name": name, "status": "heuristic", "objective": res.time})
+    return schedule, res
+
+
+@register("checkpoint-all", "keep every activation (no recomputation): fastest, largest peak")
+def checkpoint_all(graph: Graph, budget_bytes: int | None = None, **_: object) -> Schedule:
+    return checked(graph, schedule_from_checkpoints(graph, graph.forward_ids()), budget_bytes,
+                   "checkpoint-all")[0]
+
+
+@register("checkpoint-last-node", "keep only the previous node's output; recompute everything else")
+def checkpoint_last_node(graph: Graph, budget_bytes: int | None = None, **_: object) -> Schedule:
+    S = [set() if t == 0 else {t - 1} for t in range(graph.n)]
+    return checked(graph, Schedule.from_sets(graph, S), budget_bytes, "checkpoint-last-node")[0]
+
+
+def sqrt_checkpoints(candidates: list[int]) -> list[int]:
+    """Chen et al.'s sqrt(n) rule over an ordered candidate list."""
+    if not candidates:
+        return []
+    k = max(1, math.isqrt(len(candidates)))
+    return [c for idx, c in enumerate(candidates) if (idx + 1) % k == 0]
