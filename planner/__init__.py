@@ -3,7 +3,10 @@ from .errors import InfeasibleBudgetError, InvalidInputError, RematError, Solver
 from .graph import Graph, Node
 from .schedule import Op, Schedule, Stage
 from .simulate import SimResult, simulate
+from .budget import format_bytes, parse_budget
+from .plan import Plan, load_plan, plan  # the function `remat.plan`; the module is sys.modules["remat.plan"]
 
 __version__ = "0.1.0"
 __all__ = ["Graph", "Node", "Schedule", "Stage", "Op", "simulate", "SimResult",
+           "plan", "Plan", "load_plan", "parse_budget", "format_bytes",
            "RematError", "InvalidInputError", "InfeasibleBudgetError", "SolverError"]
