@@ -1,0 +1,335 @@
+"""The ``remat`` command line: plan, simulate, sweep, solvers, generate.
+
+Exit codes (DESIGN.md, promise 4): 0 ok; 1 runtime failure (`RematError` with exit_code 1, e.g.
+an infeasible budget, or a plan that does not fit its budget); 2 bad input (`InvalidInputError`,
+bad arguments).  Errors are one line, ``remat: error: ...``, on stderr; ``--debug`` shows the
+traceback instead.  The command's results go to stdout; diagnostics go through `logging`
+(``-v`` for more).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .budget import FORMS, baseline_peak, budget_list, format_bytes, format_bytes_exact
+from .errors import InvalidInputError, RematError
+
+log = logging.getLogger("remat")
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one ``remat: error:`` line with exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _fmt_time(t: float | None) -> str:
+    return "-" if t is None else f"{t:.4g} s"
+
+
+def _fmt_num(x: Any, pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    if pct:
+        return f"{100 * x:.2f}%"
+    return f"{x:.6g}" if isinstance(x, float) else str(x)
+
+
+# ---- plan ----------------------------------------------------------------------------
+def _solver_options(args: argparse.Namespace) -> dict:
+    opts: dict[str, Any] = {"swap": not args.no_swap, "time_limit": args.time_limit, "gap": args.gap}
+    if args.threads is not None:
+        opts["threads"] = args.threads
+    if args.backend is not None:
+        opts["backend"] = args.backend
+    return opts
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .graph import Graph
+    from .plan import plan
+    graph = Graph.load(args.graph)
+    base = baseline_peak(graph)
+    p = plan(graph, args.budget, args.solver, **_solver_options(args))
+    s, pr = p.solver, p.predicted
+    backend = f" ({s['backend']})" if s.get("backend") else ""
+    print(f"graph      {args.graph}: {graph.n} nodes, fixed {format_bytes(graph.fixed_bytes)}, "
+          f"checkpoint-all peak {format_bytes(base)}")
+    print(f"budget     {format_bytes_exact(p.budget_bytes)} ({p.budget_bytes / base:.2f}x of checkpoint-all)")
+    print(f"solver     {s['name']}{backend}: {s.get('status')}, objective {_fmt_num(s.get('objective'))}, "
+          f"lower bound {_fmt_num(s.get('lower_bound'))}, gap {_fmt_num(s.get('gap'), pct=True)}, "
+          f"wall {_fmt_time(s.get('wall_time'))}")
+    print(f"predicted  peak {format_bytes(pr['peak_bytes'])} (fixed {format_bytes(pr['fixed_bytes'])} + "
+          f"activations {format_bytes(pr['activation_peak_bytes'])}), host peak {format_bytes(pr['host_peak_bytes'])}")
+    print(f"           time {_fmt_time(pr['time'])}, overhead {pr['overhead']:.3f}x of checkpoint-all")
+    _write(args.output, p.save)
+    print(f"wrote      {args.output}")
+    return 0
+
+
+# ---- simulate ------------------------------------------------------------------------
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .plan import load_plan
+    from .simulate import simulate
+    from remat.solvers.baselines import checkpoint_all
+    p = load_plan(args.plan)
+    if args.bandwidth is not None and not args.bandwidth > 0:
+        raise InvalidInputError(f"--bandwidth: must be > 0 bytes/s, got {args.bandwidth}")
+    graph = p.graph
+    res = simulate(graph, p.schedule, args.bandwidth)
+    base = simulate(graph, checkpoint_all(graph), args.bandwidth)
+    bw = args.bandwidth if args.bandwidth is not None else graph.bandwidth
+    print(f"plan       {args.plan}: solver {p.solver.get('name')} ({p.solver.get('status')}), "
+          f"graph {p.graph_hash}, {graph.n} nodes, bandwidth {bw:.6g} bytes/s")
+    print(f"peak       {format_bytes_exact(res.peak_bytes)} ({res.peak_bytes / base.peak_bytes:.2f}x of "
+          f"checkpoint-all's {format_bytes(base.peak_bytes)})")
+    print(f"           fixed {format_bytes(graph.fixed_bytes)}, activations {format_bytes(res.activation_peak_bytes)}, "
+          f"host {format_bytes(res.host_peak_bytes)}")
+    print(f"time       {_fmt_time(res.time)} (overhead {res.overhead(graph):.3f}x of checkpoint-all's "
+          f"{_fmt_time(graph.total_time)}); compute {_fmt_time(res.compute_time)}, "
+          f"transfers {_fmt_time(res.transfer_time)}")
+    recomputed = sum(c - 1 for c in res.compute_counts if c > 1)
+    print(f"ops        {len(p.schedule.ops)} ({recomputed} recomputations, "
+          f"{sum(o.op == 'swap_out' for o in p.schedule.ops)} swap-outs)")
+    fits = res.peak_bytes <= p.budget_bytes
+    verdict = "yes" if fits else f"NO, over by {format_bytes_exact(res.peak_bytes - p.budget_bytes)}"
+    print(f"budget     {format_bytes_exact(p.budget_bytes)}: fits {verdict}")
+    if not fits:
+        raise RematError(f"the plan peaks at {format_bytes_exact(res.peak_bytes)}, over its budget of "
+                         f"{format_bytes_exact(p.budget_bytes)}")
+    return 0
+
+
+# ---- sweep ---------------------------------------------------------------------------
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from remat import solvers as registry
+    from .graph import Graph
+    from .plan import SWEEP_COLUMNS, sweep
+    graph = Graph.load(args.graph)
+    budgets = budget_list(args.budgets, graph)
+    names = [s.strip() for s in args.solvers.split(",") if s.strip()]
+    if not names:
+        raise InvalidInputError("--solvers: expected a comma list of solver names (see `remat solvers`)")
+    for name in names:
+        try:
+            registry.get(name)
+        except InvalidInputError as e:
+            raise InvalidInputError(str(e).replace("--solver:", "--solvers:", 1)) from None
+    opts = _solver_options(args)
+    rows = []
+    with tqdm(total=len(budgets) * len(names), file=sys.stderr, unit="solve", desc="sweep",
+              disable=args.no_progress) as bar:
+        for row in sweep(graph, budgets, names, **opts):
+            rows.append(row)
+            bar.set_postfix_str(f"{row['solver']} @ {format_bytes(row['budget_bytes'])}: {row['status']}")
+            bar.update()
+
+    def write(path: Path) -> None:
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(SWEEP_COLUMNS))
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: ("" if r[k] is None else r[k]) for k in SWEEP_COLUMNS})
+    _write(args.output, write)
+
+    print(f"{'budget':>12} {'ratio':>6}  {'solver':<22} {'status':<10} {'overhead':>9} {'peak':>12} {'gap':>8}")
+    for r in rows:
+        print(f"{format_bytes(r['budget_bytes']):>12} {r['budget_ratio']:>6.2f}  {r['solver']:<22} "
+              f"{r['status']:<10} {_fmt_num(None if r['overhead'] is None else round(r['overhead'], 4)):>9} "
+              f"{format_bytes(r['peak_bytes']):>12} {_fmt_num(r['gap'], pct=True):>8}")
+    n_inf = sum(r["status"] == "infeasible" for r in rows)
+    n_err = sum(r["status"] == "error" for r in rows)
+    print(f"wrote {args.output}: {len(rows)} rows ({len(rows) - n_inf - n_err} solved, {n_inf} infeasible"
+          + (f", {n_err} errors" if n_err else "") + ")")
+    return 0
+
+
+# ---- solvers -------------------------------------------------------------------------
+def cmd_solvers(args: argparse.Namespace) -> int:
+    from remat import solvers as registry
+    desc = registry.describe()
+    width = max(len(k) for k in desc)
+    for name, text in desc.items():
+        print(f"{name:<{width}}  {text}")
+    return 0
+
+
+# ---- generate ------------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace) -> int:
+    from . import generators as gen
+    if args.kind == "chain":
+        graph = gen.linear_chain(args.layers, fwd_time=args.fwd_time, bwd_time=args.bwd_time, size=args.size,
+                                 bandwidth=args.bandwidth, fixed_bytes=args.fixed_bytes)
+    elif args.kind == "random":
+        graph = gen.random_layered(args.nodes, width=args.width, skip_prob=args.skip_prob, seed=args.seed,
+                                   max_size=args.max_size, bandwidth=args.bandwidth)
+    else:
+        graph = gen.unet(args.depth, convs_per_level=args.convs_per_level, base_size=args.base_size,
+                         bandwidth=args.bandwidth)
+    _write(args.output, graph.save)
+    print(f"wrote {args.output}: {graph.meta.get('model')}, {graph.n} nodes, {len(graph.edges)} edges, "
+          f"checkpoint-all peak {format_bytes(baseline_peak(graph))}, hash {graph.content_hash()}")
+    return 0
+
+
+def _write(path: str, writer) -> None:
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        raise InvalidInputError(f"-o: the folder {str(p.parent)!r} does not exist")
+    try:
+        writer(p)
+    except OSError as e:
+        raise RematError(f"cannot write {str(p)!r}: {e.strerror or e}") from e
+
+
+# ---- argument parsing ------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
+def _add_solver_options(p: argparse.ArgumentParser, time_limit: float) -> None:
+    p.add_argument("--no-swap", action="store_true", help="plan recomputation only (no host offload)")
+    p.add_argument("--time-limit", type=_nonneg_float, default=time_limit, metavar="SECONDS",
+                   help=f"solver time limit per solve (default {time_limit:g})")
+    p.add_argument("--gap", type=_nonneg_float, default=0.0,
+                   help="relative optimality gap at which the ILP may stop (default 0: prove optimality)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="solver threads (ILP)")
+    p.add_argument("--backend", choices=("cbc", "highs"), default=None, help="MILP backend of the ILP")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="remat", description="Memory planner for training: rematerialization and "
+                     "swapping schedules that fit a memory budget.",
+                     epilog="Exit codes: 0 ok, 1 runtime failure (e.g. infeasible budget), 2 bad input.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    parser.add_argument("--version", action="version", version="%(prog)s " + _version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("plan", help="plan a graph to fit a memory budget",
+                       description="Solve for a schedule of GRAPH that fits --budget and write it as a plan.",
+                       epilog=f"--budget is the peak device memory of the whole step: {FORMS}.")
+    p.add_argument("graph", metavar="GRAPH.json", help="a remat.graph file (see `remat generate`)")
+    p.add_argument("--budget", required=True, help="memory budget, e.g. 6GiB, 512MB, 123456, 0.5x")
+    p.add_argument("--solver", default="ilp", help="solver name (default ilp; see `remat solvers`)")
+    _add_solver_options(p, 60.0)
+    p.add_argument("-o", "--output", required=True, metavar="PLAN.json", help="where to write the plan")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("simulate", help="re-simulate a plan: peak, time, breakdown, fit",
+                       description="Replay a plan's schedule in the simulator and report peak memory, time "
+                       "and whether it fits its budget (exit 1 if it does not).")
+    p.add_argument("plan", metavar="PLAN.json", help="a remat.plan file")
+    p.add_argument("--bandwidth", type=float, default=None, metavar="BYTES_PER_S",
+                   help="host<->device bandwidth for swaps (default: the graph's)")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("sweep", help="solve a graph at many budgets with several solvers, to CSV",
+                       description="Solve GRAPH for each budget with each solver; write one CSV row per pair. "
+                       "Budgets a solver cannot fit are recorded with status 'infeasible'.")
+    p.add_argument("graph", metavar="GRAPH.json", help="a remat.graph file")
+    p.add_argument("--budgets", required=True,
+                   help="LO:HI:COUNT, linear (0.2x:1.0x:9, 1GiB:4GiB:4), or a comma list (0.3x,0.5x,1x)")
+    p.add_argument("--solvers", default="ilp,checkpoint-all",
+                   help="comma list of solver names (default ilp,checkpoint-all)")
+    _add_solver_options(p, 30.0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output", required=True, metavar="SWEEP.csv", help="where to write the CSV")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("solvers", help="list the registered solvers", description="List solver names "
+                       "and what each does.")
+    p.set_defaults(func=cmd_solvers)
+
+    p = sub.add_parser("generate", help="write a synthetic training graph",
+                       description="Write a synthetic training graph (abstract units: bytes, time, and "
+                       "bandwidth in bytes per unit time).")
+    kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
+    k = kinds.add_parser("chain", help="n forward layers, a loss, n backward layers (2n+1 nodes)")
+    k.add_argument("--layers", type=_positive_int, default=32, help="forward layers (default 32)")
+    k.add_argument("--size", type=_positive_int, default=1, help="bytes of each layer's output (default 1)")
+    k.add_argument("--fwd-time", type=_nonneg_float, default=1.0, help="forward time per layer (default 1)")
+    k.add_argument("--bwd-time", type=_nonneg_float, default=2.0, help="backward time per layer (default 2)")
+    k.add_argument("--fixed-bytes", type=int, default=0, help="parameters/gradients/inputs bytes (default 0)")
+    kinds_random = kinds.add_parser("random", help="random layered DAG with skip edges")
+    kinds_random.add_argument("--nodes", type=_positive_int, default=20, help="forward nodes (default 20)")
+    kinds_random.add_argument("--width", type=_positive_int, default=3, help="nodes per layer, at most (default 3)")
+    kinds_random.add_argument("--skip-prob", type=_nonneg_float, default=0.2, help="skip-edge probability")
+    kinds_random.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    kinds_random.add_argument("--max-size", type=_positive_int, default=8, help="largest output bytes (default 8)")
+    u = kinds.add_parser("unet", help="U-Net-like graph with long skip edges")
+    u.add_argument("--depth", type=_positive_int, default=3, help="levels (default 3)")
+    u.add_argument("--convs-per-level", type=_positive_int, default=1, help="convs per level (default 1)")
+    u.add_argument("--base-size", type=_positive_int, default=1, help="bytes at the coarsest level (default 1)")
+    for kp in (k, kinds_random, u):
+        kp.add_argument("--bandwidth", type=float, default=1.0, help="bytes per unit time (default 1)")
+        kp.add_argument("-o", "--output", required=True, metavar="GRAPH.json", help="where to write the graph")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as e:
+        print(f"remat: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help / --version
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    debug = args.debug
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING,
+                        format="remat: %(levelname)s: %(message)s", stream=sys.stderr, force=True)
+    try:
+        return int(args.func(args) or 0)
+    except RematError as e:
+        if debug:
+            raise
+        print(f"remat: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("remat: error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug: one line unless --debug
+        if debug:
+            raise
+        print(f"remat: error: internal error ({type(e).__name__}: {e}); rerun with --debug for the traceback",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
