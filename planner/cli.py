@@ -59,6 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .plan import plan
     graph = Graph.load(args.graph)
     base = baseline_peak(graph)
+    log.info("planning %s (%d nodes) at budget %s with solver %s", args.graph, graph.n, args.budget, args.solver)
     p = plan(graph, args.budget, args.solver, **_solver_options(args))
     s, pr = p.solver, p.predicted
     backend = f" ({s['backend']})" if s.get("backend") else ""
@@ -311,8 +312,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help / --version
         return int(e.code or 0) if not isinstance(e.code, str) else 2
     debug = args.debug
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING,
-                        format="remat: %(levelname)s: %(message)s", stream=sys.stderr, force=True)
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("remat: %(levelname)s: %(message)s"))
+    saved = (log.level, log.propagate)
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING)
+    log.propagate = False
     try:
         return int(args.func(args) or 0)
     except RematError as e:
@@ -329,6 +334,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"remat: error: internal error ({type(e).__name__}: {e}); rerun with --debug for the traceback",
               file=sys.stderr)
         return 1
+    finally:  # leave no logging state behind (main may be called many times in one process)
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of the record (tests swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
 
 
 if __name__ == "__main__":  # pragma: no cover
