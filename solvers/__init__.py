@@ -43,8 +43,4 @@ def describe() -> dict[str, str]:
 
 def _load_all() -> None:
     # importing the modules registers them
-    from . import baselines, ilp, lp_round  # noqa: F401
-    try:
-        from . import chen, griewank  # noqa: F401
-    except ImportError:  # pragma: no cover - optional modules during development
-        pass
+    from . import baselines, chen, griewank, ilp, lp_round  # noqa: F401
