@@ -44,6 +44,10 @@ def _fmt_num(x: Any, pct: bool = False) -> str:
     return f"{x:.6g}" if isinstance(x, float) else str(x)
 
 
+def _fmt_overhead(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}x"
+
+
 # ---- plan ----------------------------------------------------------------------------
 def _solver_options(args: argparse.Namespace) -> dict:
     opts: dict[str, Any] = {"swap": not args.no_swap, "time_limit": args.time_limit, "gap": args.gap}
@@ -99,8 +103,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
           f"{_fmt_time(graph.total_time)}); compute {_fmt_time(res.compute_time)}, "
           f"transfers {_fmt_time(res.transfer_time)}")
     recomputed = sum(c - 1 for c in res.compute_counts if c > 1)
-    print(f"ops        {len(p.schedule.ops)} ({recomputed} recomputations, "
-          f"{sum(o.op == 'swap_out' for o in p.schedule.ops)} swap-outs)")
+    print(f"ops        {len(p.schedule.ops)}: recomputations {recomputed}, "
+          f"swap-outs {sum(o.op == 'swap_out' for o in p.schedule.ops)}")
     fits = res.peak_bytes <= p.budget_bytes
     verdict = "yes" if fits else f"NO, over by {format_bytes_exact(res.peak_bytes - p.budget_bytes)}"
     print(f"budget     {format_bytes_exact(p.budget_bytes)}: fits {verdict}")
@@ -147,7 +151,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(f"{'budget':>12} {'ratio':>6}  {'solver':<22} {'status':<10} {'overhead':>9} {'peak':>12} {'gap':>8}")
     for r in rows:
         print(f"{format_bytes(r['budget_bytes']):>12} {r['budget_ratio']:>6.2f}  {r['solver']:<22} "
-              f"{r['status']:<10} {_fmt_num(None if r['overhead'] is None else round(r['overhead'], 4)):>9} "
+              f"{r['status']:<10} {_fmt_overhead(r['overhead']):>9} "
               f"{format_bytes(r['peak_bytes']):>12} {_fmt_num(r['gap'], pct=True):>8}")
     n_inf = sum(r["status"] == "infeasible" for r in rows)
     n_err = sum(r["status"] == "error" for r in rows)

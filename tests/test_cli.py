@@ -161,7 +161,7 @@ def test_simulate_bandwidth_changes_swap_time(capsys, tmp_path):
     code, out1, _ = run(capsys, "simulate", tmp_path / "swap.json")
     code2, out2, _ = run(capsys, "simulate", tmp_path / "swap.json", "--bandwidth", "0.01")
     assert code == code2 == 0
-    assert "1 swap-outs" in out1 and "host 1 B" in out1
+    assert "swap-outs 1" in out1 and "host 1 B" in out1
     assert "transfers 2 s" in out1 and "transfers 200 s" in out2
 
 
