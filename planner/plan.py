@@ -288,9 +288,9 @@ SWEEP_COLUMNS = ("budget_bytes", "budget_ratio", "solver", "status", "time", "ov
 def sweep(graph: Graph, budgets: Sequence[int], solvers: Sequence[str], **options: Any) -> Iterator[dict]:
     """One row per (budget, solver), budgets outer, in the order given (columns `SWEEP_COLUMNS`).
 
-    A budget a solver cannot fit gives a row with status ``"infeasible"``; a solver failure other
-    than infeasibility (`SolverError`, e.g. a time limit with no incumbent) gives ``"error"``.
-    Neither stops the sweep.  ``options`` go to every solver (see `plan`).
+    A budget a solver cannot fit gives a row with status ``"infeasible"``; any other solver failure
+    (`SolverError`, e.g. a time limit with no incumbent, or an exception from the solver) is logged
+    as a warning and gives ``"error"``.  Neither stops the sweep; `InvalidInputError` does.  ``options`` go to every solver (see `plan`).
     """
     from remat import solvers as registry
     for name in solvers:  # unknown names fail before any solving
@@ -305,8 +305,11 @@ def sweep(graph: Graph, budgets: Sequence[int], solvers: Sequence[str], **option
                 schedule, res, wall = _solve(graph, int(budget), name, explain=False, **options)
             except InfeasibleBudgetError:
                 row.update(status="infeasible", wall_time=time.perf_counter() - t0)
-            except SolverError as e:
-                log.warning("sweep: %s at budget %s: %s", name, format_bytes(budget), e)
+            except InvalidInputError:
+                raise  # a bad option fails every pair alike
+            except Exception as e:  # SolverError, or a solver bug: record it, keep sweeping
+                log.warning("sweep: %s at budget %s failed: %s%s", name, format_bytes(budget),
+                            "" if isinstance(e, RematError) else f"{type(e).__name__}: ", e)
                 row.update(status="error", wall_time=time.perf_counter() - t0)
             else:
                 rep = schedule.report

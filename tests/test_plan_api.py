@@ -329,3 +329,14 @@ def test_import_is_light():
             "('pulp', 'matplotlib', 'torch', 'tqdm')]; print(heavy); sys.exit(1 if heavy else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_sweep_records_solver_failures(chain8, monkeypatch, caplog):
+    from remat import solvers
+
+    def broken(graph, budget_bytes, **options):
+        raise RuntimeError("backend crashed")
+    monkeypatch.setitem(solvers._REGISTRY, "broken", broken)
+    rows = list(sweep(chain8, [10], ["broken", "checkpoint-all"]))
+    assert [r["status"] for r in rows] == ["error", "heuristic"]
+    assert "backend crashed" in caplog.text
