@@ -219,9 +219,16 @@ def _nonneg_float(text: str) -> float:
     return v
 
 
+def _positive_float(text: str) -> float:
+    v = _nonneg_float(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return v
+
+
 def _add_solver_options(p: argparse.ArgumentParser, time_limit: float) -> None:
     p.add_argument("--no-swap", action="store_true", help="plan recomputation only (no host offload)")
-    p.add_argument("--time-limit", type=_nonneg_float, default=time_limit, metavar="SECONDS",
+    p.add_argument("--time-limit", type=_positive_float, default=time_limit, metavar="SECONDS",
                    help=f"solver time limit per solve (default {time_limit:g})")
     p.add_argument("--gap", type=_nonneg_float, default=0.0,
                    help="relative optimality gap at which the ILP may stop (default 0: prove optimality)")

@@ -104,6 +104,8 @@ def test_plan_infeasible_exits_1_and_names_smallest_budget(capsys, tmp_path, gra
     (["--budget", "1x", "--solver", "nope"], "unknown solver"),
     (["--budget", "1x", "--backend", "gurobi"], "--backend"),
     (["--budget", "1x", "--time-limit", "-3"], "--time-limit"),
+    (["--budget", "1x", "--time-limit", "0"], "--time-limit"),
+    (["--budget", "1x", "--gap", "x"], "--gap"),
     ([], "--budget"),
 ])
 def test_plan_bad_input_exits_2(capsys, tmp_path, graph_path, argv, needle):
