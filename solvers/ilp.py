@@ -1,0 +1,491 @@
+r"""Checkmate's rematerialization ILP, extended with swapping to host memory.
+
+Stages are frontier-advancing (Checkmate §1.3.1): T = n stages, stage t computes node t and may
+recompute nodes < t.  Index sets: ``i < t`` for every per-stage variable; E the edges.
+
+Variables (only those the stage structure leaves free are created)
+--------------------------------------------------------------------
+R[t,i]   binary   i is (re)computed in stage t                 (R[t,t] = 1 is a constant)
+S[t,i]   binary   i's output is resident at the start of stage t (S[0,.] = 0)
+SO[t,i]  binary   i's copy to the host starts at the start of stage t      (swap only)
+SI[t,i]  binary   i's host copy comes back during stage t, usable at t+1   (swap only)
+FREE[t,(i,k)] continuous in [0,1]  i is released right after k runs in stage t
+U[t,k]   continuous >= 0  device bytes right after k runs in stage t (before its inputs are freed)
+tau[t]   continuous       length of stage t                                  (swap only)
+
+Constraints (family names as in the code)
+------------------------------------------
+validity     S[t+1,i] <= S[t,i] + R[t,i] + SI[t,i]
+deps         R[t,k] <= R[t,i] + S[t,i]                 for (i,k) in E, k <= t
+no_dup       R[t,i] + S[t,i] <= 1                      (never recompute a resident value)
+swap_out     SO[t,i] <= S[t,i];  sum_t SO[t,i] <= 1    (one host copy, made from a resident value)
+swap_in      SI[t,i] <= sum_{t'<t} SO[t',i];  SI[t,i] <= S[t+1,i];  SI[t,i] + S[t,i] + R[t,i] <= 1
+free_*       FREE[t,(i,k)] <= R[t,k];  <= 1 - S[t+1,i];  <= 1 - R[t,j] for j in succ(i), k < j <= t;
+             <= 1 - SO[t,i]   (Checkmate's hazard rows, disaggregated; see below)
+memory       U[t,0] = M_0 R[t,0] + sum_i M_i (S[t,i] + SI[t,i])
+             U[t,k] = U[t,k-1] + M_k R[t,k] - sum_{(i,k-1) in E} M_i FREE[t,(i,k-1)]
+             U[t,k] + W_k R[t,k] <= B - fixed_bytes           (W = workspace bytes)
+stage time   tau[t] >= sum_i C_i R[t,i];  tau[t] >= sum_i (M_i / bandwidth) (SO[t,i] + SI[t,i])
+no_waste     S[t,i] <= S[t+1,i] + SO[t,i] + sum_{k in succ(i), k <= t} R[t,k]
+             R[t,i] <= S[t+1,i] + sum_{k in succ(i), i < k <= t} R[t,k]          (i < t)
+
+Objective: min sum_t tau[t] (with swap) or min sum_{t,i} C_i R[t,i] (without: Checkmate's).
+
+Why it is exact.  With swap off and no workspace this is Checkmate's memory model: a value is
+released after its last consumer in a stage unless kept into the next stage, its own output is
+never released in the stage that computes it, and U counts outputs and inputs of the running
+node.  Checkmate writes FREE as a binary pinned from both sides by aggregated hazard rows; here
+FREE is continuous and bounded only from above by one row per hazard.  For integral R, S, SO
+each bound is 0 or 1 and larger FREE only lowers U, so the best FREE is the indicator itself
+and the optimum is unchanged, while n|E| binaries disappear and the LP relaxation tightens.
+The `no_waste` rows cut off only dominated solutions (a value kept or recomputed that nothing in
+the stage uses and that is not kept further): removing such an entry never raises memory or
+time, so an optimal solution satisfying them exists.  `no_dup` and the swap rows likewise only
+remove pointless combinations.  tests/test_ilp.py checks the optimum against an exhaustive
+search over all schedules on small graphs, with and without swap.
+
+The time model is the simulator's for the op list that `Schedule.from_stages` emits: transfers
+start at the stage start on their own stream and are waited for at the stage end, so a stage
+lasts max(compute, transfers); swapped-in values are used from the next stage on.  Hence the
+objective equals `simulate(...).time` (tested).
+
+Memory is divided by the gcd of all sizes and the budget.  When that still leaves more than
+``max_memory_units`` units, sizes are rounded up and the budget down to a coarser quantum: the
+schedule stays feasible in exact bytes, and the report's ``memory_quantum`` says the optimum and
+bound are those of the quantised model.
+
+Solving: CBC through PuLP by default (HiGHS optional), warm-started from the best baseline that
+fits.  PuLP reports a time-limited CBC run with an incumbent as "Optimal"; we read `sol_status`
+and CBC's own bound from its log, and report ``status`` "optimal" only when proven, else
+"feasible" with ``lower_bound`` and ``gap``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import tempfile
+import time as _time
+from dataclasses import dataclass, field
+from functools import reduce
+
+import pulp
+
+from remat.errors import InfeasibleBudgetError, InvalidInputError, SolverError
+from remat.graph import Graph
+from remat.schedule import Schedule, Stage
+from remat.simulate import simulate
+
+from . import register
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Model:
+    prob: pulp.LpProblem
+    R: dict
+    S: dict
+    SO: dict
+    SI: dict
+    FREE: dict
+    U: dict
+    tau: dict
+    quantum: int
+    time_unit: float
+    budget_units: int
+    swap: bool
+    meta: dict = field(default_factory=dict)
+
+
+def _memory_scale(graph: Graph, act_budget: int, max_units: int) -> tuple[int, list[int], list[int], int]:
+    vals = [v.bytes for v in graph.nodes] + [v.workspace_bytes for v in graph.nodes] + [act_budget]
+    q = reduce(math.gcd, [x for x in vals if x > 0], 0) or 1
+    if act_budget // q > max_units:
+        q = max(q, -(-act_budget // max_units))
+    M = [-(-v.bytes // q) for v in graph.nodes]
+    W = [-(-v.workspace_bytes // q) for v in graph.nodes]
+    return q, M, W, act_budget // q
+
+
+def _time_unit(graph: Graph) -> float:
+    c = [v.time for v in graph.nodes if v.time > 0]
+    if not c:
+        return 1.0
+    if all(float(x).is_integer() and x <= 1e6 for x in c):
+        return 1.0
+    return max(c) / 1000.0
+
+
+def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth: float | None = None,
+                max_memory_units: int = 1_000_000, relax: bool = False, name: str = "remat") -> Model:
+    """The ILP (or, with relax=True, its LP relaxation) for `graph` under `budget_bytes`."""
+    n = graph.n
+    act_budget = budget_bytes - graph.fixed_bytes
+    q, M, W, B = _memory_scale(graph, max(act_budget, 0), max_memory_units)
+    cu = _time_unit(graph)
+    C = [v.time / cu for v in graph.nodes]
+    bw = float(bandwidth if bandwidth is not None else graph.bandwidth)
+    X = [v.bytes / bw / cu for v in graph.nodes]  # transfer time, in time units
+    succs, preds = graph.succs, graph.preds
+    sink = [not s for s in succs]
+    cat = pulp.LpContinuous if relax else pulp.LpBinary
+    prob = pulp.LpProblem(name, pulp.LpMinimize)
+
+    def var(prefix: str, t: int, i: int) -> pulp.LpVariable:
+        return pulp.LpVariable(f"{prefix}_{t}_{i}", 0, 1, cat)
+
+    R: dict = {}
+    S: dict = {}
+    SO: dict = {}
+    SI: dict = {}
+    for t in range(n):
+        for i in range(t):
+            if not sink[i]:
+                R[t, i] = var("R", t, i)
+                S[t, i] = var("S", t, i)
+                if swap and M[i] > 0 and t < n - 1:
+                    SO[t, i] = var("SO", t, i)
+                    if t >= 2 and i <= t - 2:
+                        SI[t, i] = var("SI", t, i)
+
+    def r(t: int, i: int):
+        return 1 if i == t else R.get((t, i), 0)
+
+    def s(t: int, i: int):
+        return S.get((t, i), 0) if t < n else 0
+
+    def so(t: int, i: int):
+        return SO.get((t, i), 0)
+
+    def si(t: int, i: int):
+        return SI.get((t, i), 0)
+
+    add = prob.addConstraint
+    for t in range(n):
+        for i in range(t + 1):
+            if (t + 1, i) in S:
+                add(S[t + 1, i] <= s(t, i) + r(t, i) + si(t, i), f"validity_{t}_{i}")
+            if (t, i) in R:
+                add(R[t, i] + S[t, i] + si(t, i) <= 1, f"no_dup_{t}_{i}")
+        for (i, k) in graph.edges:
+            if k > t:
+                continue
+            if k == t:
+                if (t, i) in R:
+                    add(R[t, i] + S[t, i] >= 1, f"deps_{t}_{i}_{k}")
+                else:  # i is a sink (impossible: it has successor k) or i == t
+                    pass
+            elif (t, k) in R:
+                add(R[t, k] <= R[t, i] + S[t, i], f"deps_{t}_{i}_{k}")
+    for (t, i), v in SO.items():
+        add(v <= S[t, i], f"swap_out_resident_{t}_{i}")
+    for i in range(n):
+        outs = [SO[t, i] for t in range(n) if (t, i) in SO]
+        if len(outs) > 1:
+            add(pulp.lpSum(outs) <= 1, f"swap_out_once_{i}")
+    for (t, i), v in SI.items():
+        add(v <= pulp.lpSum(SO[tt, i] for tt in range(t) if (tt, i) in SO), f"swap_in_host_{t}_{i}")
+        add(v <= s(t + 1, i), f"swap_in_used_{t}_{i}")
+
+    # FREE and memory
+    FREE: dict = {}
+    U: dict = {}
+    in_edges: list[list[int]] = [sorted(set(p)) for p in preds]
+    for t in range(n):
+        for k in range(t + 1):
+            if k < t and (t, k) not in R:
+                continue  # k is a sink: never recomputed, frees nothing in stage t
+            for i in in_edges[k]:
+                later = [j for j in succs[i] if k < j <= t]
+                if t in later:
+                    continue  # node t itself uses i after k: never freed after k
+                if t + 1 < n and (t + 1, i) not in S:
+                    nxt = 0
+                else:
+                    nxt = s(t + 1, i)
+                f = pulp.LpVariable(f"FREE_{t}_{i}_{k}", 0, 1)
+                FREE[t, i, k] = f
+                if k < t:
+                    add(f <= R[t, k], f"free_runs_{t}_{i}_{k}")
+                if not isinstance(nxt, int):
+                    add(f + nxt <= 1, f"free_kept_{t}_{i}_{k}")
+                for j in later:
+                    add(f + R[t, j] <= 1, f"free_later_{t}_{i}_{k}_{j}")
+                if (t, i) in SO:
+                    add(f + SO[t, i] <= 1, f"free_swapping_{t}_{i}_{k}")
+        prev = None
+        for k in range(t + 1):
+            rk = r(t, k)
+            u = pulp.LpVariable(f"U_{t}_{k}", 0, B)
+            U[t, k] = u
+            if k == 0:
+                add(u == M[0] * rk + pulp.lpSum(M[i] * (s(t, i) + si(t, i)) for i in range(t)),
+                    f"memory_init_{t}")
+            else:
+                add(u == prev + M[k] * rk - pulp.lpSum(M[i] * FREE[t, i, k - 1] for i in in_edges[k - 1]
+                                                       if (t, i, k - 1) in FREE), f"memory_{t}_{k}")
+            if W[k] > 0:
+                add(u + W[k] * rk <= B, f"workspace_{t}_{k}")
+            prev = u
+
+    # no-waste cuts
+    for (t, i), v in S.items():
+        used = [r(t, k) for k in succs[i] if k <= t]
+        add(v <= s(t + 1, i) + so(t, i) + pulp.lpSum(used), f"no_waste_keep_{t}_{i}")
+    for (t, i), v in R.items():
+        used = [r(t, k) for k in succs[i] if i < k <= t]
+        add(v <= s(t + 1, i) + pulp.lpSum(used), f"no_waste_recompute_{t}_{i}")
+
+    # objective
+    tau: dict = {}
+    if swap and SO:
+        for t in range(n):
+            comp = C[t] + pulp.lpSum(C[i] * R[t, i] for i in range(t) if (t, i) in R)
+            xfer = [X[i] * v for (tt, i), v in SO.items() if tt == t] + \
+                   [X[i] * v for (tt, i), v in SI.items() if tt == t]
+            if xfer:
+                tau[t] = pulp.LpVariable(f"tau_{t}", 0)
+                add(tau[t] >= comp, f"stage_compute_{t}")
+                add(tau[t] >= pulp.lpSum(xfer), f"stage_transfer_{t}")
+        prob += pulp.lpSum(tau.values()) + pulp.lpSum(
+            C[t] + pulp.lpSum(C[i] * R[t, i] for i in range(t) if (t, i) in R) for t in range(n) if t not in tau)
+    else:
+        prob += sum(C) + pulp.lpSum(C[i] * v for (t, i), v in R.items())
+    return Model(prob, R, S, SO, SI, FREE, U, tau, q, cu, B, swap,
+                 meta={"memory_units_budget": B, "variables": len(prob.variables()),
+                       "constraints": len(prob.constraints)})
+
+
+def schedule_from_model(graph: Graph, m: Model) -> Schedule:
+    n = graph.n
+    val = lambda v: v.varValue is not None and v.varValue > 0.5  # noqa: E731
+    stages = []
+    for t in range(n):
+        comp = [t] + [i for i in range(t) if (t, i) in m.R and val(m.R[t, i])]
+        keep = [i for i in range(t) if (t, i) in m.S and val(m.S[t, i])]
+        so = [i for i in range(t) if (t, i) in m.SO and val(m.SO[t, i])]
+        si = [i for i in range(t) if (t, i) in m.SI and val(m.SI[t, i])]
+        stages.append(Stage(sorted(comp), keep, so, si))
+    return Schedule.from_stages(graph, stages)
+
+
+def set_warm_start(m: Model, schedule: Schedule) -> None:
+    """Initial values for every binary from a schedule with stage matrices."""
+    for d in (m.R, m.S, m.SO, m.SI):
+        for v in d.values():
+            v.setInitialValue(0)
+    for t, st in enumerate(schedule.stages or []):
+        for i in st.compute:
+            if (t, i) in m.R:
+                m.R[t, i].setInitialValue(1)
+        for d, ids in ((m.S, st.keep), (m.SO, st.swap_out), (m.SI, st.swap_in)):
+            for i in ids:
+                if (t, i) in d:
+                    d[t, i].setInitialValue(1)
+
+
+def prune_waste(graph: Graph, schedule: Schedule) -> Schedule:
+    """Remove kept/recomputed values that nothing uses (the ILP's no_waste rows), to a fixpoint."""
+    assert schedule.stages is not None
+    n = len(schedule.stages)
+    R = [set(s.compute) for s in schedule.stages]
+    S = [set(s.keep) for s in schedule.stages]
+    SO = [set(s.swap_out) for s in schedule.stages]
+    SI = [set(s.swap_in) for s in schedule.stages]
+    succs = graph.succs
+    changed = True
+    while changed:
+        changed = False
+        for t in range(n):
+            nxt = S[t + 1] if t + 1 < n else set()
+            for i in sorted(S[t]):
+                if i not in nxt and i not in SO[t] and not any(k in R[t] for k in succs[i]):
+                    S[t].discard(i)
+                    changed = True
+            for i in sorted(R[t]):
+                if i != t and i not in nxt and not any(k in R[t] and k > i for k in succs[i]):
+                    R[t].discard(i)
+                    changed = True
+            for i in sorted(SI[t]):
+                if i not in nxt:
+                    SI[t].discard(i)
+                    changed = True
+    return Schedule.from_stages(graph, [Stage(sorted(R[t]), sorted(S[t]), sorted(SO[t]), sorted(SI[t]))
+                                        for t in range(n)])
+
+
+_WARM_START_SOLVERS = ("checkpoint-all", "chen-greedy", "griewank", "chen-sqrtn", "checkpoint-last-node")
+
+
+def best_baseline(graph: Graph, budget_bytes: int, bandwidth: float | None = None) -> Schedule | None:
+    """The fastest baseline schedule (pruned of waste) that fits, or None."""
+    from . import get, names
+    best, best_time = None, math.inf
+    for nm in _WARM_START_SOLVERS:
+        if nm not in names():
+            continue
+        try:
+            sch = get(nm)(graph, budget_bytes)
+        except (InfeasibleBudgetError, InvalidInputError):
+            continue
+        sch = prune_waste(graph, sch)
+        res = simulate(graph, sch, bandwidth)
+        if res.valid and res.peak_bytes <= budget_bytes and res.time < best_time:
+            best, best_time = sch, res.time
+            best.report = {"name": nm}
+    return best
+
+
+_CBC_RESULT = re.compile(r"^Result - (.*)$", re.M)
+_CBC_OBJ = re.compile(r"^Objective value:\s*([-+0-9.eE]+)", re.M)
+_CBC_BOUND = re.compile(r"^Lower bound:\s*([-+0-9.eE]+)", re.M)
+
+
+def parse_cbc_log(text: str) -> dict:
+    out: dict = {}
+    m = _CBC_RESULT.findall(text)
+    if m:
+        out["result"] = m[-1].strip()
+    m = _CBC_OBJ.findall(text)
+    if m:
+        out["objective"] = float(m[-1])
+    m = _CBC_BOUND.findall(text)
+    if m:
+        out["lower_bound"] = float(m[-1])
+    return out
+
+
+def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: int | None,
+         warm: bool, msg: bool) -> dict:
+    """Solve the model; return {'sol_status', 'objective', 'bound', 'proven', 'result'} in model units."""
+    if backend == "cbc":
+        fd, logpath = tempfile.mkstemp(prefix="remat_cbc_", suffix=".log")
+        os.close(fd)
+        try:
+            solver = pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None,
+                                       threads=threads, warmStart=warm, logPath=logpath)
+            m.prob.solve(solver)
+            with open(logpath) as fh:
+                info = parse_cbc_log(fh.read())
+        finally:
+            os.unlink(logpath)
+        obj = pulp.value(m.prob.objective) if m.prob.sol_status in (1, 2) else None
+        result = info.get("result", "")
+        proven = m.prob.sol_status == 1 and result.startswith("Optimal solution found") and gap <= 0
+        bound = info.get("lower_bound")
+        if bound is None and proven:
+            bound = obj
+        if bound is None and result.startswith("Optimal solution found") and obj is not None:
+            # stopped by the gap tolerance: CBC's bound is within gap of the incumbent
+            bound = obj / (1 + gap) if gap > 0 else obj
+        return {"sol_status": m.prob.sol_status, "objective": obj, "bound": bound, "proven": proven,
+                "result": result, "infeasible": "infeasible" in result.lower()}
+    if backend == "highs":
+        try:
+            solver = pulp.HiGHS(msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None,
+                                threads=threads)
+        except Exception as e:  # pragma: no cover
+            raise SolverError(f"HiGHS backend unavailable ({e}); install highspy or use --backend cbc")
+        if not solver.available():
+            raise SolverError("HiGHS backend unavailable: pip install highspy, or use --backend cbc")
+        m.prob.solve(solver)
+        h = m.prob.solverModel
+        info = h.getInfo()
+        status = h.modelStatusToString(h.getModelStatus())
+        obj = pulp.value(m.prob.objective) if m.prob.sol_status in (1, 2) else None
+        bound = getattr(info, "mip_dual_bound", None)
+        if bound is not None and not math.isfinite(bound):
+            bound = None
+        proven = status == "Optimal" and (info.mip_gap <= 1e-9 if hasattr(info, "mip_gap") else True)
+        if bound is None and proven:
+            bound = obj
+        return {"sol_status": m.prob.sol_status, "objective": obj, "bound": bound, "proven": proven,
+                "result": status, "infeasible": status == "Infeasible"}
+    raise InvalidInputError(f"--backend: unknown backend {backend!r}; use 'cbc' or 'highs'")
+
+
+@register("ilp", "Checkmate's ILP with keep/recompute/swap (CBC; proven optimal or reports its gap)")
+def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: float | None = 60.0,
+          gap: float = 0.0, threads: int | None = None, backend: str = "cbc", warm_start: bool = True,
+          bandwidth: float | None = None, max_memory_units: int = 1_000_000, msg: bool = False,
+          **_: object) -> Schedule:
+    """Optimal schedule under `budget_bytes` (whole-step bytes, fixed bytes included)."""
+    t0 = _time.perf_counter()
+    _check_budget(graph, budget_bytes)
+    warm = best_baseline(graph, budget_bytes, bandwidth) if warm_start else None
+    m = build_model(graph, budget_bytes, swap=swap, bandwidth=bandwidth, max_memory_units=max_memory_units)
+    if warm is not None:
+        set_warm_start(m, warm)
+    log.info("ilp: %d variables, %d constraints, warm start %s", len(m.prob.variables()),
+             len(m.prob.constraints), warm.report.get("name") if warm else None)
+    out = _run(m, backend, time_limit, gap, threads, warm is not None, msg)
+    wall = _time.perf_counter() - t0
+    report = {"name": "ilp", "backend": backend, "swap": swap, "time_limit": time_limit, "gap_limit": gap,
+              "wall_time": wall, "memory_quantum": m.quantum, "variables": m.meta["variables"],
+              "constraints": m.meta["constraints"], "solver_result": out["result"],
+              "warm_start": warm.report.get("name") if warm else None}
+    if out["sol_status"] in (1, 2) and out["objective"] is not None:
+        sched = schedule_from_model(graph, m)
+        res = simulate(graph, sched, bandwidth)
+        if not res.valid or res.peak_bytes > budget_bytes:  # a modelling bug: never hand it out
+            raise AssertionError(f"ILP schedule disagrees with the simulator: {res.violation}, "
+                                 f"peak {res.peak_bytes} > {budget_bytes}?")
+        objective = out["objective"] * m.time_unit
+    elif warm is not None and not out["infeasible"]:
+        sched, res = warm, simulate(graph, warm, bandwidth)
+        objective = res.time
+        report["solver_result"] += " (no incumbent; returned the warm start)"
+    elif out["infeasible"]:
+        raise InfeasibleBudgetError(
+            f"no schedule fits the budget of {budget_bytes} bytes (the ILP proved it infeasible)",
+            budget_bytes, fixed_bytes=graph.fixed_bytes)
+    else:
+        raise SolverError(f"the ILP found no schedule within the time limit of {time_limit} s "
+                          f"({out['result'] or 'no result'}); raise --time-limit or use a baseline solver")
+    bound = out["bound"] * m.time_unit if out["bound"] is not None else None
+    proven = out["proven"]
+    if bound is not None and objective > 0:
+        g = max(0.0, (objective - bound) / objective)
+    else:
+        g = None
+    report.update({"status": "optimal" if proven else "feasible", "objective": objective,
+                   "lower_bound": bound if bound is not None else None, "gap": 0.0 if proven else g})
+    sched.report = report
+    return sched
+
+
+def _check_budget(graph: Graph, budget_bytes: int) -> None:
+    """Cheap necessary condition: every node must fit with its inputs and workspace."""
+    need = max(v.bytes + v.workspace_bytes + sum(graph.nodes[u].bytes for u in set(graph.preds[v.id]))
+               for v in graph.nodes) + graph.fixed_bytes
+    if budget_bytes < need:
+        raise InfeasibleBudgetError(
+            f"budget {budget_bytes} bytes is below {need} bytes, what the largest node needs with its "
+            f"inputs, workspace and the {graph.fixed_bytes} fixed bytes", budget_bytes,
+            min_feasible_lower_bound=need, fixed_bytes=graph.fixed_bytes)
+
+
+def min_feasible_budget(graph: Graph, swap: bool = True, time_limit: float | None = 30.0,
+                        bandwidth: float | None = None) -> tuple[int, int]:
+    """(smallest whole-step peak found, proven lower bound on it), by the same stage model.
+
+    Minimises a peak variable P >= U[t,k] + W_k R[t,k] over schedules of any time.  The
+    incumbent is simulated, so the first number is a budget that is known to work.
+    """
+    total = sum(v.bytes + v.workspace_bytes for v in graph.nodes)
+    m = build_model(graph, graph.fixed_bytes + total, swap=swap, bandwidth=bandwidth)
+    peak = pulp.LpVariable("peak", 0)
+    for (t, k), u in m.U.items():
+        w = graph.nodes[k].workspace_bytes // m.quantum
+        rk = 1 if k == t else m.R.get((t, k), 0)
+        m.prob.addConstraint(peak >= u + w * rk, f"peak_{t}_{k}")
+    m.prob.setObjective(peak)
+    out = _run(m, "cbc", time_limit, 0.0, None, False, False)
+    if out["sol_status"] not in (1, 2):
+        raise SolverError("could not find any feasible schedule to size the budget")
+    sched = schedule_from_model(graph, m)
+    res = simulate(graph, sched, bandwidth)
+    lb = out["bound"] if out["bound"] is not None else 0.0
+    return res.peak_bytes, graph.fixed_bytes + int(math.ceil(lb - 1e-6)) * m.quantum

@@ -1,0 +1,87 @@
+"""Exhaustive search over every frontier-advancing schedule of a tiny graph.
+
+Written independently of solvers/ilp.py, schedule.ops_from_stages and simulate, from the
+semantics in schedule.py's docstring: per stage t a resident set S[t], swap-outs SO[t] of
+resident values, swap-ins SI[t] of host copies (usable from t+1), the minimal recomputation R[t]
+that the next resident set needs, Checkmate's release rule, and stage time = max(compute,
+transfer).  A dynamic program over the exact state (resident set, host set) per stage: every
+schedule is a path through it, so its minimum is the true optimum of the model.
+"""
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+
+
+def _subsets(items):
+    items = sorted(items)
+    for r in range(len(items) + 1):
+        yield from itertools.combinations(items, r)
+
+
+def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | None = None):
+    """Minimal total time of a schedule whose device peak (fixed bytes included) fits, or None."""
+    n = graph.n
+    M = [v.bytes for v in graph.nodes]
+    W = [v.workspace_bytes for v in graph.nodes]
+    C = [v.time for v in graph.nodes]
+    bw = bandwidth if bandwidth is not None else graph.bandwidth
+    preds, succs = graph.preds, graph.succs
+    B = budget_bytes - graph.fixed_bytes
+
+    def closure(targets, resident):
+        R = set()
+        stack = list(targets)
+        while stack:
+            x = stack.pop()
+            if x in R:
+                continue
+            R.add(x)
+            stack.extend(u for u in preds[x] if u not in resident and u not in R)
+        return R
+
+    def stage(t, S, SO, SI, R, nxt):
+        mem = sum(M[i] for i in S) + sum(M[i] for i in SI)
+        peak = mem
+        for k in sorted(R):
+            peak = max(peak, mem + M[k] + W[k])
+            mem += M[k]
+            for i in set(preds[k]):
+                if i in nxt or i in SO:
+                    continue
+                if any(j > k and j in R for j in succs[i]):
+                    continue
+                mem -= M[i]
+        time = max(sum(C[k] for k in R), sum(M[i] / bw for i in SO | SI))
+        return peak, time
+
+    @lru_cache(maxsize=None)
+    def best(t, S, H):
+        if t == n:
+            return 0.0
+        S_set, H_set = set(S), set(H)
+        result = None
+        nxt_choices = _subsets(range(t + 1)) if t + 1 < n else [()]
+        for nxt in nxt_choices:
+            nxt_set = set(nxt)
+            fresh = [i for i in nxt_set if i not in S_set and i != t]
+            swappable = [i for i in fresh if i in H_set] if swap else []
+            for SI in _subsets(swappable):
+                SI_set = set(SI)
+                R = closure({t} | (set(fresh) - SI_set), S_set)
+                if R & SI_set:
+                    continue  # recomputed anyway: dominated by the choice without the swap-in
+                so_choices = _subsets(S_set - H_set) if (swap and t + 1 < n) else [()]
+                for SO in so_choices:
+                    SO_set = set(SO)
+                    peak, time = stage(t, S_set, SO_set, SI_set, R, nxt_set)
+                    if peak > B:
+                        continue
+                    rest = best(t + 1, tuple(sorted(nxt_set)), tuple(sorted(H_set | SO_set)))
+                    if rest is None:
+                        continue
+                    if result is None or time + rest < result:
+                        result = time + rest
+        return result
+
+    return best(0, (), ())
