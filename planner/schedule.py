@@ -180,11 +180,14 @@ def ops_from_stages(graph: Graph, stages: Sequence[Stage]) -> list[Op]:
     """The op list that stage matrices imply (module docstring, steps 1-4)."""
     ops: list[Op] = []
     T = len(stages)
-    succs = graph.succs
+    in_edges = [sorted(set(p)) for p in graph.preds]
     for t, st in enumerate(stages):
         nxt = set(stages[t + 1].keep) if t + 1 < T else set()
         comp = sorted(st.compute)
-        comp_set = set(comp)
+        last_reader: dict[int, int] = {}
+        for k in comp:
+            for i in in_edges[k]:
+                last_reader[i] = k
         swap_out = set(st.swap_out)
         resident = set(st.keep) | set(st.swap_in)
         for i in sorted(st.swap_out):
@@ -194,10 +197,8 @@ def ops_from_stages(graph: Graph, stages: Sequence[Stage]) -> list[Op]:
         for k in comp:
             ops.append(Op("compute", k, t))
             resident.add(k)
-            for i in sorted(set(graph.preds[k])):
-                if i in nxt or i in swap_out or i not in resident:
-                    continue
-                if any(j > k and j in comp_set for j in succs[i]):
+            for i in in_edges[k]:
+                if last_reader[i] != k or i in nxt or i in swap_out or i not in resident:
                     continue
                 ops.append(Op("free", i, t))
                 resident.discard(i)

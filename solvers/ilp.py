@@ -99,14 +99,24 @@ class Model:
     meta: dict = field(default_factory=dict)
 
 
-def _memory_scale(graph: Graph, act_budget: int, max_units: int) -> tuple[int, list[int], list[int], int]:
+def _memory_scale(graph: Graph, act_budget: int, max_units: int,
+                  round_down: bool = False) -> tuple[int, list[int], list[int], int, bool]:
+    """(quantum, sizes, workspaces, budget in quanta, quantised?).
+
+    Exact when the gcd of all sizes and the budget leaves at most `max_units` units.  Otherwise
+    sizes round up and the budget down (a restriction: its schedules fit in exact bytes), or,
+    with round_down, sizes down and the budget up (a relaxation: its bounds are valid).
+    """
     vals = [v.bytes for v in graph.nodes] + [v.workspace_bytes for v in graph.nodes] + [act_budget]
     q = reduce(math.gcd, [x for x in vals if x > 0], 0) or 1
-    if act_budget // q > max_units:
+    quantised = act_budget // q > max_units
+    if quantised:
         q = max(q, -(-act_budget // max_units))
-    M = [-(-v.bytes // q) for v in graph.nodes]
-    W = [-(-v.workspace_bytes // q) for v in graph.nodes]
-    return q, M, W, act_budget // q
+    if round_down:
+        return (q, [v.bytes // q for v in graph.nodes], [v.workspace_bytes // q for v in graph.nodes],
+                -(-act_budget // q), quantised)
+    return (q, [-(-v.bytes // q) for v in graph.nodes], [-(-v.workspace_bytes // q) for v in graph.nodes],
+            act_budget // q, quantised)
 
 
 def _time_unit(graph: Graph) -> float:
@@ -119,11 +129,12 @@ def _time_unit(graph: Graph) -> float:
 
 
 def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth: float | None = None,
-                max_memory_units: int = 1_000_000, relax: bool = False, name: str = "remat") -> Model:
+                max_memory_units: int = 1_000_000, relax: bool = False, recompute_backward: bool = False,
+                round_down: bool = False, name: str = "remat") -> Model:
     """The ILP (or, with relax=True, its LP relaxation) for `graph` under `budget_bytes`."""
     n = graph.n
     act_budget = budget_bytes - graph.fixed_bytes
-    q, M, W, B = _memory_scale(graph, max(act_budget, 0), max_memory_units)
+    q, M, W, B, quantised = _memory_scale(graph, max(act_budget, 0), max_memory_units, round_down)
     cu = _time_unit(graph)
     C = [v.time / cu for v in graph.nodes]
     bw = float(bandwidth if bandwidth is not None else graph.bandwidth)
@@ -134,7 +145,7 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     prob = pulp.LpProblem(name, pulp.LpMinimize)
 
     def var(prefix: str, t: int, i: int) -> pulp.LpVariable:
-        return pulp.LpVariable(f"{prefix}_{t}_{i}", 0, 1, cat)
+        return pulp.LpVariable(f"{prefix}_{t}_{i}", 0, 1, pulp.LpContinuous if prefix == "S" else cat)
 
     R: dict = {}
     S: dict = {}
@@ -143,7 +154,8 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     for t in range(n):
         for i in range(t):
             if not sink[i]:
-                R[t, i] = var("R", t, i)
+                if recompute_backward or graph.nodes[i].kind == "forward":
+                    R[t, i] = var("R", t, i)
                 S[t, i] = var("S", t, i)
                 if swap and M[i] > 0 and t < n - 1:
                     SO[t, i] = var("SO", t, i)
@@ -169,16 +181,15 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
                 add(S[t + 1, i] <= s(t, i) + r(t, i) + si(t, i), f"validity_{t}_{i}")
             if (t, i) in R:
                 add(R[t, i] + S[t, i] + si(t, i) <= 1, f"no_dup_{t}_{i}")
+            elif (t, i) in SI:
+                add(S[t, i] + SI[t, i] <= 1, f"no_dup_{t}_{i}")
         for (i, k) in graph.edges:
             if k > t:
                 continue
             if k == t:
-                if (t, i) in R:
-                    add(R[t, i] + S[t, i] >= 1, f"deps_{t}_{i}_{k}")
-                else:  # i is a sink (impossible: it has successor k) or i == t
-                    pass
+                add(r(t, i) + S[t, i] >= 1, f"deps_{t}_{i}_{k}")
             elif (t, k) in R:
-                add(R[t, k] <= R[t, i] + S[t, i], f"deps_{t}_{i}_{k}")
+                add(R[t, k] <= r(t, i) + S[t, i], f"deps_{t}_{i}_{k}")
     for (t, i), v in SO.items():
         add(v <= S[t, i], f"swap_out_resident_{t}_{i}")
     for i in range(n):
@@ -212,9 +223,17 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
                 if not isinstance(nxt, int):
                     add(f + nxt <= 1, f"free_kept_{t}_{i}_{k}")
                 for j in later:
-                    add(f + R[t, j] <= 1, f"free_later_{t}_{i}_{k}_{j}")
+                    if (t, j) in R:
+                        add(f + R[t, j] <= 1, f"free_later_{t}_{i}_{k}_{j}")
                 if (t, i) in SO:
                     add(f + SO[t, i] <= 1, f"free_swapping_{t}_{i}_{k}")
+        # free_once: a value is released at most once per stage, and only if it is there
+        by_value: dict[int, list] = {}
+        for (tt, i, k), f in FREE.items():
+            if tt == t:
+                by_value.setdefault(i, []).append(f)
+        for i, fs in by_value.items():
+            add(pulp.lpSum(fs) <= r(t, i) + s(t, i), f"free_once_{t}_{i}")
         prev = None
         for k in range(t + 1):
             rk = r(t, k)
@@ -255,20 +274,40 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
         prob += sum(C) + pulp.lpSum(C[i] * v for (t, i), v in R.items())
     return Model(prob, R, S, SO, SI, FREE, U, tau, q, cu, B, swap,
                  meta={"memory_units_budget": B, "variables": len(prob.variables()),
-                       "constraints": len(prob.constraints)})
+                       "constraints": len(prob.constraints), "quantised": quantised, "M": M, "W": W})
 
 
 def schedule_from_model(graph: Graph, m: Model) -> Schedule:
     n = graph.n
     val = lambda v: v.varValue is not None and v.varValue > 0.5  # noqa: E731
-    stages = []
-    for t in range(n):
-        comp = [t] + [i for i in range(t) if (t, i) in m.R and val(m.R[t, i])]
-        keep = [i for i in range(t) if (t, i) in m.S and val(m.S[t, i])]
-        so = [i for i in range(t) if (t, i) in m.SO and val(m.SO[t, i])]
-        si = [i for i in range(t) if (t, i) in m.SI and val(m.SI[t, i])]
-        stages.append(Stage(sorted(comp), keep, so, si))
-    return Schedule.from_stages(graph, stages)
+    R = [{t} | {i for i in range(t) if (t, i) in m.R and val(m.R[t, i])} for t in range(n)]
+    SO = [{i for i in range(t) if (t, i) in m.SO and val(m.SO[t, i])} for t in range(n)]
+    SI = [{i for i in range(t) if (t, i) in m.SI and val(m.SI[t, i])} for t in range(n)]
+    S = minimal_keep(graph, R, SO, SI)
+    SI = [SI[t] & (S[t + 1] if t + 1 < n else set()) for t in range(n)]
+    return Schedule.from_stages(graph, [Stage(sorted(R[t]), sorted(S[t]), sorted(SO[t]), sorted(SI[t]))
+                                        for t in range(n)])
+
+
+def minimal_keep(graph: Graph, R: list[set[int]], SO: list[set[int]], SI: list[set[int]]) -> list[set[int]]:
+    """The smallest S that R and the swaps need, from the last stage back.
+
+    S[t] holds every input of a node computed in stage t that stage t does not compute itself,
+    every value swapped out in stage t, and every value S[t+1] holds that stage t neither
+    computes nor swaps in.  Any feasible S of the ILP is >= this one entry by entry (the
+    `deps`, `validity` and `swap_out` rows force each entry), and a smaller S only lowers memory
+    and loosens the FREE bounds, which is why S can be a continuous variable in the model.
+    """
+    n = graph.n
+    S: list[set[int]] = [set() for _ in range(n + 1)]
+    for t in reversed(range(n)):
+        need = {u for k in R[t] for u in graph.preds[k] if u not in R[t]}
+        need |= SO[t]
+        need |= {i for i in S[t + 1] if i not in R[t] and i not in SI[t]}
+        S[t] = need
+    if S[0]:
+        raise AssertionError(f"schedule needs values {sorted(S[0])} before the first stage")
+    return S[:n]
 
 
 def set_warm_start(m: Model, schedule: Schedule) -> None:
@@ -357,20 +396,44 @@ def parse_cbc_log(text: str) -> dict:
     return out
 
 
+def _run_cbc(m: Model, time_limit: float | None, gap: float, threads: int | None, warm: bool,
+             msg: bool) -> dict:
+    fd, logpath = tempfile.mkstemp(prefix="remat_cbc_", suffix=".log")
+    os.close(fd)
+    try:
+        # A MIP start under an elapsed-time limit crashes CBC more often than under a CPU-time
+        # limit (the same with one thread, shorter with more).
+        solver = pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None,
+                                   threads=threads, warmStart=warm, logPath=logpath,
+                                   timeMode="cpu" if warm and time_limit else "elapsed")
+        m.prob.solve(solver)
+        with open(logpath) as fh:
+            return parse_cbc_log(fh.read())
+    finally:
+        os.unlink(logpath)
+
+
 def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: int | None,
          warm: bool, msg: bool) -> dict:
     """Solve the model; return {'sol_status', 'objective', 'bound', 'proven', 'result'} in model units."""
+    offset = m.prob.objective.constant or 0.0  # solvers report objectives without the constant
     if backend == "cbc":
-        fd, logpath = tempfile.mkstemp(prefix="remat_cbc_", suffix=".log")
-        os.close(fd)
+        t0 = _time.perf_counter()
         try:
-            solver = pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None,
-                                       threads=threads, warmStart=warm, logPath=logpath)
-            m.prob.solve(solver)
-            with open(logpath) as fh:
-                info = parse_cbc_log(fh.read())
-        finally:
-            os.unlink(logpath)
+            info = _run_cbc(m, time_limit, gap, threads, warm, msg)
+        except pulp.PulpSolverError:
+            # CBC 2.10 (the binary pulp ships) can crash when the time limit runs out while it
+            # is still evaluating the MIP start; solve again without it (the caller keeps the
+            # warm start as a fallback incumbent).
+            left = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
+            log.warning("CBC crashed while using the warm start; solving again without it (%s s)", left)
+            try:
+                info = _run_cbc(m, left, gap, threads, False, msg)
+            except pulp.PulpSolverError as e:
+                raise SolverError(f"CBC failed: {e}") from None
+        for key in ("objective", "lower_bound"):
+            if key in info:
+                info[key] += offset
         obj = pulp.value(m.prob.objective) if m.prob.sol_status in (1, 2) else None
         result = info.get("result", "")
         proven = m.prob.sol_status == 1 and result.startswith("Optimal solution found") and gap <= 0
@@ -381,7 +444,7 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
             # stopped by the gap tolerance: CBC's bound is within gap of the incumbent
             bound = obj / (1 + gap) if gap > 0 else obj
         return {"sol_status": m.prob.sol_status, "objective": obj, "bound": bound, "proven": proven,
-                "result": result, "infeasible": "infeasible" in result.lower()}
+                "result": result, "infeasible": m.prob.status == pulp.LpStatusInfeasible or "infeasible" in result.lower()}
     if backend == "highs":
         try:
             solver = pulp.HiGHS(msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None,
@@ -398,6 +461,8 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
         bound = getattr(info, "mip_dual_bound", None)
         if bound is not None and not math.isfinite(bound):
             bound = None
+        if bound is not None:
+            bound += offset
         proven = status == "Optimal" and (info.mip_gap <= 1e-9 if hasattr(info, "mip_gap") else True)
         if bound is None and proven:
             bound = obj
@@ -410,12 +475,13 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
 def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: float | None = 60.0,
           gap: float = 0.0, threads: int | None = None, backend: str = "cbc", warm_start: bool = True,
           bandwidth: float | None = None, max_memory_units: int = 1_000_000, msg: bool = False,
-          **_: object) -> Schedule:
+          recompute_backward: bool = False, **_: object) -> Schedule:
     """Optimal schedule under `budget_bytes` (whole-step bytes, fixed bytes included)."""
     t0 = _time.perf_counter()
     _check_budget(graph, budget_bytes)
     warm = best_baseline(graph, budget_bytes, bandwidth) if warm_start else None
-    m = build_model(graph, budget_bytes, swap=swap, bandwidth=bandwidth, max_memory_units=max_memory_units)
+    m = build_model(graph, budget_bytes, swap=swap, bandwidth=bandwidth, max_memory_units=max_memory_units,
+                    recompute_backward=recompute_backward)
     if warm is not None:
         set_warm_start(m, warm)
     log.info("ilp: %d variables, %d constraints, warm start %s", len(m.prob.variables()),
@@ -446,6 +512,21 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                           f"({out['result'] or 'no result'}); raise --time-limit or use a baseline solver")
     bound = out["bound"] * m.time_unit if out["bound"] is not None else None
     proven = out["proven"]
+    if bound is None:  # the solver gave none (crash, or stopped before its root bound): use the LP
+        bound = solve_relaxation(graph, budget_bytes, swap=swap, bandwidth=bandwidth,
+                                 recompute_backward=recompute_backward)[1]
+        report["bound_from"] = "lp_relaxation"
+    if m.meta["quantised"]:
+        # optimal and bound above hold for the rounded-up model; the exact problem's bound comes
+        # from the relaxation with sizes rounded down
+        report.update({"quantised_status": "optimal" if proven else "feasible", "quantised_lower_bound": bound})
+        bound = solve_relaxation(graph, budget_bytes, swap=swap, bandwidth=bandwidth,
+                                 recompute_backward=recompute_backward, round_down=True,
+                                 max_memory_units=max_memory_units)[1]
+        proven = bound is not None and objective <= bound * (1 + 1e-9)
+        report["bound_from"] = "lp_relaxation_rounded_down"
+    if bound is not None and bound > objective:  # float noise on a proven optimum
+        bound = objective
     if bound is not None and objective > 0:
         g = max(0.0, (objective - bound) / objective)
     else:
@@ -456,10 +537,31 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     return sched
 
 
+def solve_relaxation(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth: float | None = None,
+                     recompute_backward: bool = False, round_down: bool = False,
+                     max_memory_units: int = 1_000_000) -> tuple[Model, float | None]:
+    """The LP relaxation and its optimal time in seconds (None if even the LP is infeasible)."""
+    m = build_model(graph, budget_bytes, swap=swap, bandwidth=bandwidth, relax=True,
+                    recompute_backward=recompute_backward, round_down=round_down,
+                    max_memory_units=max_memory_units)
+    m.prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    status = pulp.LpStatus[m.prob.status]
+    if status == "Infeasible":
+        return m, None
+    if status != "Optimal":
+        raise SolverError(f"the LP relaxation ended with status {status}")
+    return m, pulp.value(m.prob.objective) * m.time_unit
+
+
+def _node_need(graph: Graph) -> int:
+    """Whole-step bytes the largest node needs with its inputs and workspace: no budget goes lower."""
+    return max(v.bytes + v.workspace_bytes + sum(graph.nodes[u].bytes for u in set(graph.preds[v.id]))
+               for v in graph.nodes) + graph.fixed_bytes
+
+
 def _check_budget(graph: Graph, budget_bytes: int) -> None:
     """Cheap necessary condition: every node must fit with its inputs and workspace."""
-    need = max(v.bytes + v.workspace_bytes + sum(graph.nodes[u].bytes for u in set(graph.preds[v.id]))
-               for v in graph.nodes) + graph.fixed_bytes
+    need = _node_need(graph)
     if budget_bytes < need:
         raise InfeasibleBudgetError(
             f"budget {budget_bytes} bytes is below {need} bytes, what the largest node needs with its "
@@ -468,17 +570,18 @@ def _check_budget(graph: Graph, budget_bytes: int) -> None:
 
 
 def min_feasible_budget(graph: Graph, swap: bool = True, time_limit: float | None = 30.0,
-                        bandwidth: float | None = None) -> tuple[int, int]:
+                        bandwidth: float | None = None, recompute_backward: bool = False) -> tuple[int, int]:
     """(smallest whole-step peak found, proven lower bound on it), by the same stage model.
 
     Minimises a peak variable P >= U[t,k] + W_k R[t,k] over schedules of any time.  The
     incumbent is simulated, so the first number is a budget that is known to work.
     """
     total = sum(v.bytes + v.workspace_bytes for v in graph.nodes)
-    m = build_model(graph, graph.fixed_bytes + total, swap=swap, bandwidth=bandwidth)
+    m = build_model(graph, graph.fixed_bytes + total, swap=swap, bandwidth=bandwidth,
+                    recompute_backward=recompute_backward)
     peak = pulp.LpVariable("peak", 0)
     for (t, k), u in m.U.items():
-        w = graph.nodes[k].workspace_bytes // m.quantum
+        w = m.meta["W"][k]
         rk = 1 if k == t else m.R.get((t, k), 0)
         m.prob.addConstraint(peak >= u + w * rk, f"peak_{t}_{k}")
     m.prob.setObjective(peak)
@@ -487,5 +590,8 @@ def min_feasible_budget(graph: Graph, swap: bool = True, time_limit: float | Non
         raise SolverError("could not find any feasible schedule to size the budget")
     sched = schedule_from_model(graph, m)
     res = simulate(graph, sched, bandwidth)
-    lb = out["bound"] if out["bound"] is not None else 0.0
-    return res.peak_bytes, graph.fixed_bytes + int(math.ceil(lb - 1e-6)) * m.quantum
+    lb_units = int(math.ceil((out["bound"] if out["bound"] is not None else 0.0) - 1e-6))
+    if m.meta["quantised"]:  # each of at most n outputs and one workspace was rounded up by < q
+        lb_units -= graph.n + 1
+    lb = graph.fixed_bytes + max(0, lb_units) * m.quantum
+    return res.peak_bytes, min(res.peak_bytes, max(lb, _node_need(graph)))

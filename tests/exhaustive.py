@@ -19,7 +19,8 @@ def _subsets(items):
         yield from itertools.combinations(items, r)
 
 
-def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | None = None):
+def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | None = None,
+                       recompute_backward: bool = False):
     """Minimal total time of a schedule whose device peak (fixed bytes included) fits, or None."""
     n = graph.n
     M = [v.bytes for v in graph.nodes]
@@ -61,7 +62,9 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
             return 0.0
         S_set, H_set = set(S), set(H)
         result = None
-        nxt_choices = _subsets(range(t + 1)) if t + 1 < n else [()]
+        # dominated choices left out: keeping a value nothing ever reads (a sink), swapping out a
+        # value no later stage can read
+        nxt_choices = _subsets([i for i in range(t + 1) if succs[i]]) if t + 1 < n else [()]
         for nxt in nxt_choices:
             nxt_set = set(nxt)
             fresh = [i for i in nxt_set if i not in S_set and i != t]
@@ -71,7 +74,10 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
                 R = closure({t} | (set(fresh) - SI_set), S_set)
                 if R & SI_set:
                     continue  # recomputed anyway: dominated by the choice without the swap-in
-                so_choices = _subsets(S_set - H_set) if (swap and t + 1 < n) else [()]
+                if not recompute_backward and any(k != t and graph.nodes[k].kind != "forward" for k in R):
+                    continue  # autograd runs each backward node (and the loss) exactly once
+                so_choices = (_subsets([i for i in S_set - H_set if max(succs[i]) > t])
+                              if (swap and t + 1 < n) else [()])
                 for SO in so_choices:
                     SO_set = set(SO)
                     peak, time = stage(t, S_set, SO_set, SI_set, R, nxt_set)
