@@ -102,9 +102,18 @@ def checkpoint_all(graph: Graph, budget_bytes: int | None = None, **_: object) -
                    "checkpoint-all")[0]
 
 
-@register("checkpoint-last-node", "keep only the previous node's output; recompute everything else")
+@register("checkpoint-last-node", "keep only the previous node's output; recompute every other activation")
 def checkpoint_last_node(graph: Graph, budget_bytes: int | None = None, **_: object) -> Schedule:
-    S = [set() if t == 0 else {t - 1} for t in range(graph.n)]
+    # Checkmate's S[t, t-1] = 1, plus rule 1 above (gradients and the loss are held until their
+    # last consumer): autograd evaluates each backward node once, so only forward values may be
+    # recomputed in a schedule the executor can run.
+    n = graph.n
+    last_use = [max(s) if s else i for i, s in enumerate(graph.succs)]
+    S = [set() if t == 0 else {t - 1} for t in range(n)]
+    for v in graph.nodes:
+        if v.kind != "forward":
+            for t in range(v.id + 1, min(last_use[v.id], n - 1) + 1):
+                S[t].add(v.id)
     return checked(graph, Schedule.from_sets(graph, S), budget_bytes, "checkpoint-last-node")[0]
 
 

@@ -6,7 +6,7 @@ recompute nodes < t.  Index sets: ``i < t`` for every per-stage variable; E the 
 Variables (only those the stage structure leaves free are created)
 --------------------------------------------------------------------
 R[t,i]   binary   i is (re)computed in stage t                 (R[t,t] = 1 is a constant)
-S[t,i]   binary   i's output is resident at the start of stage t (S[0,.] = 0)
+S[t,i]   [0,1]    i's output is resident at the start of stage t (S[0,.] = 0); continuous, see below
 SO[t,i]  binary   i's copy to the host starts at the start of stage t      (swap only)
 SI[t,i]  binary   i's host copy comes back during stage t, usable at t+1   (swap only)
 FREE[t,(i,k)] continuous in [0,1]  i is released right after k runs in stage t
@@ -22,6 +22,7 @@ swap_out     SO[t,i] <= S[t,i];  sum_t SO[t,i] <= 1    (one host copy, made from
 swap_in      SI[t,i] <= sum_{t'<t} SO[t',i];  SI[t,i] <= S[t+1,i];  SI[t,i] + S[t,i] + R[t,i] <= 1
 free_*       FREE[t,(i,k)] <= R[t,k];  <= 1 - S[t+1,i];  <= 1 - R[t,j] for j in succ(i), k < j <= t;
              <= 1 - SO[t,i]   (Checkmate's hazard rows, disaggregated; see below)
+free_once    sum_k FREE[t,(i,k)] <= R[t,i] + S[t,i]   (released once, and only if present)
 memory       U[t,0] = M_0 R[t,0] + sum_i M_i (S[t,i] + SI[t,i])
              U[t,k] = U[t,k-1] + M_k R[t,k] - sum_{(i,k-1) in E} M_i FREE[t,(i,k-1)]
              U[t,k] + W_k R[t,k] <= B - fixed_bytes           (W = workspace bytes)
@@ -38,6 +39,15 @@ node.  Checkmate writes FREE as a binary pinned from both sides by aggregated ha
 FREE is continuous and bounded only from above by one row per hazard.  For integral R, S, SO
 each bound is 0 or 1 and larger FREE only lowers U, so the best FREE is the indicator itself
 and the optimum is unchanged, while n|E| binaries disappear and the LP relaxation tightens.
+S is continuous: for binary R, SO, SI every feasible S is entry-wise >= the minimal S that
+R and the swaps need (`minimal_keep`; the deps, validity and swap_out rows force each entry),
+and the minimal one only lowers memory and loosens the FREE bounds; the schedule is read back
+with it.  So only R (and the swaps) are branched on.
+
+Executability.  By default (recompute_backward=False) only forward nodes are recomputed: the
+executor runs backward through autograd, which evaluates each backward node (and the loss) once.
+recompute_backward=True creates R for every node, which is Checkmate's model exactly.
+
 The `no_waste` rows cut off only dominated solutions (a value kept or recomputed that nothing in
 the stage uses and that is not kept further): removing such an entry never raises memory or
 time, so an optimal solution satisfying them exists.  `no_dup` and the swap rows likewise only

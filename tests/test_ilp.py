@@ -110,6 +110,15 @@ def test_ilp_beats_every_baseline_and_lp_bound_holds(name, ratio):
         rb = simulate(g, b)
         assert rb.valid and rb.peak_bytes <= budget, other
         assert s.report["objective"] <= rb.time + 1e-9, other
+        assert_executable(g, rb, other)
+    assert_executable(g, res, "ilp")
+
+
+def assert_executable(g, res, who):
+    # autograd runs every backward node and the loss exactly once: only forward values recompute
+    for v in g.nodes:
+        if v.kind != "forward":
+            assert res.compute_counts[v.id] == 1, (who, v.name, res.compute_counts[v.id])
 
 
 def test_swap_never_slower_than_recompute_only():
