@@ -88,6 +88,16 @@ def simulate(graph: Graph, schedule: Schedule | list[Op], bandwidth: float | Non
         nonlocal violation
         violation = Violation(idx, op, msg)
 
+    def issue_transfer(i: int) -> float:
+        """Queue i's copy on the transfer stream; returns its start time."""
+        nonlocal xclock, transfer_time
+        start = max(clock, xclock)
+        dur = nodes[i].bytes / bw
+        xclock = start + dur
+        transfer_time += dur
+        xfer_end[i] = xclock
+        return start
+
     def name(i: int) -> str:
         return f"{i} ({nodes[i].name})"
 
@@ -138,11 +148,7 @@ def simulate(graph: Graph, schedule: Schedule | list[Op], bandwidth: float | Non
             if i in swap_in_end and swap_in_end[i] > clock:
                 fail(idx, op, f"swap_out of node {name(i)} while its swap_in is in flight")
                 break
-            start = max(clock, xclock)
-            dur = nodes[i].bytes / bw
-            xclock = start + dur
-            transfer_time += dur
-            xfer_end[i] = xclock
+            start = issue_transfer(i)
             if i not in on_host:
                 on_host.add(i)
                 host += nodes[i].bytes
@@ -153,11 +159,7 @@ def simulate(graph: Graph, schedule: Schedule | list[Op], bandwidth: float | Non
             if i in on_device:
                 fail(idx, op, f"swap_in of node {name(i)}, which is already resident")
                 break
-            start = max(clock, xclock)
-            dur = nodes[i].bytes / bw
-            xclock = start + dur
-            transfer_time += dur
-            xfer_end[i] = xclock
+            start = issue_transfer(i)
             swap_in_end[i] = xclock
             cur += nodes[i].bytes
             during = cur

@@ -1,0 +1,174 @@
+"""Graph validation and JSON, schedules, and the simulator against hand-computed figures."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from remat import Graph, InvalidInputError, Node, Op, Schedule, Stage, simulate
+from remat.generators import linear_chain, random_layered, unet
+from remat.schedule import solve_r_opt
+
+
+def tiny() -> Graph:
+    # a -> b -> c, a -> c ; sizes 2, 3, 1; times 1, 2, 4; b has 5 bytes of workspace
+    nodes = [Node(0, "a", "forward", 1.0, 2), Node(1, "b", "forward", 2.0, 3, 5), Node(2, "c", "loss", 4.0, 1)]
+    return Graph(nodes, [(0, 1), (1, 2), (0, 2)], fixed_bytes=10, meta={"bandwidth": 1.0})
+
+
+# ---- graph ------------------------------------------------------------------------------------
+def test_graph_json_round_trip_and_hash(tmp_path):
+    g = random_layered(12, seed=3)
+    p = tmp_path / "g.json"
+    g.save(p)
+    h = Graph.load(p)
+    assert h.to_dict() == g.to_dict()
+    assert h.content_hash() == g.content_hash()
+    d = g.to_dict()
+    d["nodes"][3]["bytes"] += 1
+    assert Graph.from_dict(d).content_hash() != g.content_hash()
+    d2 = g.to_dict()
+    d2["meta"]["note"] = "meta does not change the hash"
+    assert Graph.from_dict(d2).content_hash() == g.content_hash()
+
+
+def test_generators_shapes():
+    g = linear_chain(32)
+    assert g.n == 65 and len(g.edges) == 31 + 1 + 1 + 31 + 32 + 31
+    assert [v.kind for v in g.nodes].count("backward") == 32
+    assert g.total_time == 32 * 1 + 1 + 32 * 2
+    u = unet(2)
+    # each decoder concat reads its encoder level: a long skip edge into a forward node
+    names = {v.name: v.id for v in u.nodes}
+    assert (names["enc0_conv0"], names["dec0_cat"]) in u.edges
+    for e in (g, u, random_layered(30, seed=1)):
+        assert all(a < b for a, b in e.edges)
+
+
+def _mut(path, value):
+    def f(d):
+        obj = d
+        for k in path[:-1]:
+            obj = obj[k]
+        obj[path[-1]] = value
+        return d
+    return f
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (_mut(["nodes", 1, "kind"], "sideways"), "graph.nodes[1] ('f1').kind: unknown kind"),
+    (_mut(["nodes", 2, "time"], -1.0), "graph.nodes[2] ('f2').time"),
+    (_mut(["nodes", 0, "bytes"], -5), "graph.nodes[0] ('f0').bytes"),
+    (_mut(["nodes", 0, "bytes"], 1.5), "graph.nodes[0] ('f0').bytes"),
+    (_mut(["edges", 0], [0, 99]), "names a missing node"),
+    (lambda d: d["edges"].append([4, 1]) or d, "cycle"),
+    (lambda d: d["edges"].append([2, 2]) or d, "self-loop"),
+    (_mut(["format"], "other"), "graph.format"),
+    (_mut(["version"], 7), "graph.version"),
+    (lambda d: d.pop("nodes") and d, "graph.nodes: missing"),
+    (lambda d: d["nodes"][0].pop("kind") and d, "graph.nodes[0].kind: missing"),
+    (_mut(["edges", 0], "0-1"), "graph.edges[0]"),
+])
+def test_malformed_graph_names_the_field(mutate, needle):
+    d = mutate(linear_chain(3).to_dict())
+    with pytest.raises(InvalidInputError) as e:
+        Graph.from_dict(json.loads(json.dumps(d)))
+    assert needle in str(e.value)
+
+
+def test_backward_edge_without_cycle_asks_for_renumbering():
+    nodes = [Node(0, "a", "forward", 1.0, 1), Node(1, "b", "forward", 1.0, 1)]
+    with pytest.raises(InvalidInputError, match="topological order"):
+        Graph(nodes, [(1, 0)])
+
+
+def test_load_missing_and_invalid_json(tmp_path):
+    with pytest.raises(InvalidInputError, match="does not exist"):
+        Graph.load(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(InvalidInputError, match="not valid JSON"):
+        Graph.load(tmp_path / "bad.json")
+
+
+# ---- schedule ---------------------------------------------------------------------------------
+def test_solve_r_opt_recomputes_what_the_next_stage_keeps():
+    g = tiny()
+    S = [set(), {0}, {1}]          # stage 2 needs a and b; only b is kept, so a is recomputed
+    R = solve_r_opt(g, S)
+    assert R == [{0}, {1}, {0, 2}]
+
+
+def test_ops_from_stages_follow_the_contract():
+    g = tiny()
+    s = Schedule.from_sets(g, [set(), {0}, {0, 1}])
+    ops = [(o.op, o.node, o.stage) for o in s.ops]
+    # stage 0 computes a and keeps it; stage 1 computes b (a is kept into stage 2, so not freed)
+    assert ops[:2] == [("compute", 0, 0), ("compute", 1, 1)]
+    # stage 2: c runs, then its inputs a and b are released (last reader, not kept), then c
+    assert ops[2:] == [("compute", 2, 2), ("free", 0, 2), ("free", 1, 2), ("free", 2, 2)]
+
+
+# ---- simulator --------------------------------------------------------------------------------
+def test_peak_counts_fixed_outputs_and_workspace():
+    g = tiny()
+    r = simulate(g, Schedule.from_sets(g, [set(), {0}, {0, 1}]), timeline=True)
+    assert r.valid
+    # while b runs: fixed 10 + a 2 + b 3 + workspace 5 = 20
+    assert r.peak_bytes == 20 and r.activation_peak_bytes == 10
+    assert r.time == 7.0 and r.compute_time == 7.0 and r.transfer_time == 0
+    assert [t["device_bytes"] for t in r.timeline][:3] == [12, 20, 16]
+
+
+def test_transfers_overlap_compute_and_swap_in_waits():
+    g = tiny()
+    ops = [Op("compute", 0), Op("swap_out", 0), Op("compute", 1), Op("wait", 0), Op("free", 0),
+           Op("swap_in", 0), Op("compute", 2)]
+    r = simulate(g, ops)
+    assert r.valid, r.violation
+    # a out: t=1..3 (2 bytes at 1 B/s) under b's compute (1..3); a in: 3..5; c waits, runs 5..9
+    assert r.time == 9.0
+    assert r.transfer_time == 4.0 and r.host_peak_bytes == 2
+    # with a faster link the swap-in hides: 1+2 compute, in 3..3.2, c 3.2..7.2
+    assert simulate(g, ops, bandwidth=10.0).time == pytest.approx(7.2)
+
+
+@pytest.mark.parametrize("ops, needle", [
+    ([Op("compute", 1)], "input 0 (a) of node 1 (b) is needed but it is not resident"),
+    ([Op("compute", 0), Op("swap_out", 0), Op("wait", 0), Op("free", 0), Op("compute", 1)],
+     "it is on the host"),
+    ([Op("compute", 0), Op("swap_out", 0), Op("free", 0)], "while its transfer is in flight"),
+    ([Op("compute", 0), Op("compute", 0)], "already resident"),
+    ([Op("free", 0)], "not resident"),
+    ([Op("swap_in", 0)], "no host copy"),
+    ([Op("compute", 0), Op("wait", 0)], "has no transfer"),
+    ([Op("compute", 0), Op("compute", 1)], "node 2 (c) (a loss node) is never computed"),
+])
+def test_violations_are_reported(ops, needle):
+    r = simulate(tiny(), ops)
+    assert not r.valid
+    assert needle in str(r.violation)
+
+
+def test_gradient_never_produced_is_named():
+    g = linear_chain(2)
+    ops = [Op("compute", i) for i in range(4)]
+    r = simulate(g, ops)
+    assert "a gradient" in str(r.violation) and "never computed" in str(r.violation)
+
+
+def test_schedule_json_round_trip():
+    g = random_layered(6, seed=2)
+    from remat.solvers.baselines import checkpoint_all
+    s = checkpoint_all(g)
+    back = Schedule.from_dict(json.loads(json.dumps(s.to_dict())), g)
+    assert back.ops == s.ops and back.stages == s.stages
+    assert simulate(g, back).time == simulate(g, s).time
+
+
+def test_stage_matrices():
+    g = tiny()
+    s = Schedule.from_stages(g, [Stage([0]), Stage([1], [0]), Stage([2], [0, 1])])
+    R, S, SO, SI = s.matrices(g.n)
+    assert R.tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+    assert S.tolist() == [[0, 0, 0], [1, 0, 0], [1, 1, 0]]
+    assert SO.sum() == 0 and SI.sum() == 0
