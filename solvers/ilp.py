@@ -407,7 +407,7 @@ def parse_cbc_log(text: str) -> dict:
 
 
 def _run_cbc(m: Model, time_limit: float | None, gap: float, threads: int | None, warm: bool,
-             msg: bool) -> dict:
+             msg: bool, options: list[str] | None = None) -> dict:
     fd, logpath = tempfile.mkstemp(prefix="remat_cbc_", suffix=".log")
     os.close(fd)
     try:
@@ -415,7 +415,7 @@ def _run_cbc(m: Model, time_limit: float | None, gap: float, threads: int | None
         # limit (the same with one thread, shorter with more).
         solver = pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None,
                                    threads=threads, warmStart=warm, logPath=logpath,
-                                   timeMode="cpu" if warm and time_limit else "elapsed")
+                                   timeMode="cpu" if warm and time_limit else "elapsed", options=options or [])
         m.prob.solve(solver)
         with open(logpath) as fh:
             return parse_cbc_log(fh.read())
@@ -424,13 +424,13 @@ def _run_cbc(m: Model, time_limit: float | None, gap: float, threads: int | None
 
 
 def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: int | None,
-         warm: bool, msg: bool) -> dict:
+         warm: bool, msg: bool, options: list[str] | None = None) -> dict:
     """Solve the model; return {'sol_status', 'objective', 'bound', 'proven', 'result'} in model units."""
     offset = m.prob.objective.constant or 0.0  # solvers report objectives without the constant
     if backend == "cbc":
         t0 = _time.perf_counter()
         try:
-            info = _run_cbc(m, time_limit, gap, threads, warm, msg)
+            info = _run_cbc(m, time_limit, gap, threads, warm, msg, options)
         except pulp.PulpSolverError:
             # CBC 2.10 (the binary pulp ships) can crash when the time limit runs out while it
             # is still evaluating the MIP start; solve again without it (the caller keeps the
@@ -438,7 +438,7 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
             left = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
             log.warning("CBC crashed while using the warm start; solving again without it (%s s)", left)
             try:
-                info = _run_cbc(m, left, gap, threads, False, msg)
+                info = _run_cbc(m, left, gap, threads, False, msg, options)
             except pulp.PulpSolverError as e:
                 raise SolverError(f"CBC failed: {e}") from None
         for key in ("objective", "lower_bound"):
@@ -502,22 +502,35 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
               "wall_time": wall, "memory_quantum": m.quantum, "variables": m.meta["variables"],
               "constraints": m.meta["constraints"], "solver_result": out["result"],
               "warm_start": warm.report.get("name") if warm else None}
+    if out["infeasible"] and warm is not None:
+        # CBC's preprocessing sometimes declares large models infeasible although a schedule
+        # that satisfies every row is known (seen on a 257-node chain): trust the schedule.
+        log.warning("CBC reported the model infeasible (%s), but the %s schedule fits it; "
+                    "returning the best known schedule", out["result"], warm.report.get("name"))
+        report["solver_result"] += " (contradicted by a known feasible schedule)"
+        out.update(infeasible=False, sol_status=0, bound=None, proven=False)
+    elif out["infeasible"] and backend == "cbc":
+        # confirm without CBC's preprocessing before telling the user the budget cannot be met
+        out = _run(m, backend, time_limit, gap, threads, False, msg, options=["preprocess off"])
+    sched = None
     if out["sol_status"] in (1, 2) and out["objective"] is not None:
         sched = schedule_from_model(graph, m)
         res = simulate(graph, sched, bandwidth)
-        if not res.valid or res.peak_bytes > budget_bytes:  # a modelling bug: never hand it out
-            raise AssertionError(f"ILP schedule disagrees with the simulator: {res.violation}, "
-                                 f"peak {res.peak_bytes} > {budget_bytes}?")
         objective = out["objective"] * m.time_unit
-    elif warm is not None and not out["infeasible"]:
+        if not res.valid or res.peak_bytes > budget_bytes:  # numerical trouble or a modelling bug
+            log.error("the ILP's schedule does not fit in the simulator (%s; peak %d > %d); please "
+                      "report this graph", res.violation, res.peak_bytes, budget_bytes)
+            sched = None
+            out.update(proven=False, bound=None)
+    if sched is None and warm is not None and not out["infeasible"]:
         sched, res = warm, simulate(graph, warm, bandwidth)
         objective = res.time
-        report["solver_result"] += " (no incumbent; returned the warm start)"
-    elif out["infeasible"]:
+        report["solver_result"] += " (no usable incumbent; returned the warm start)"
+    elif sched is None and out["infeasible"]:
         raise InfeasibleBudgetError(
             f"no schedule fits the budget of {budget_bytes} bytes (the ILP proved it infeasible)",
             budget_bytes, fixed_bytes=graph.fixed_bytes)
-    else:
+    elif sched is None:
         raise SolverError(f"the ILP found no schedule within the time limit of {time_limit} s "
                           f"({out['result'] or 'no result'}); raise --time-limit or use a baseline solver")
     bound = out["bound"] * m.time_unit if out["bound"] is not None else None

@@ -205,3 +205,80 @@ def test_lp_round_is_valid_and_bounded():
     assert s.report["lower_bound"] <= res.time
     opt = ilp.solve(g, 7, swap=False).report["objective"]
     assert s.report["lower_bound"] <= opt <= res.time
+
+
+def assign(m, g, sched):
+    """Set every model variable from a schedule (FREE as the release indicator, U by its
+    recurrence, tau as the stage time) and return the rows and bounds it violates."""
+    import pulp
+    n, st, M = g.n, sched.stages, m.meta["M"]
+    for d in (m.R, m.S, m.SO, m.SI):
+        for v in d.values():
+            v.varValue = 0
+    missing = []
+    for t, s in enumerate(st):
+        for d, ids in ((m.R, [i for i in s.compute if i != t]), (m.S, s.keep), (m.SO, s.swap_out),
+                       (m.SI, s.swap_in)):
+            for i in ids:
+                if (t, i) in d:
+                    d[t, i].varValue = 1
+                else:
+                    missing.append((t, i))
+    for (t, i, k), f in m.FREE.items():
+        comp, nxt = set(st[t].compute), set(st[t + 1].keep) if t + 1 < n else set()
+        later = [j for j in g.succs[i] if k < j <= t and j in comp]
+        f.varValue = int(k in comp and i not in nxt and not later and i not in st[t].swap_out)
+    for t in range(n):
+        comp = set(st[t].compute)
+        u = sum(M[i] for i in st[t].keep) + sum(M[i] for i in st[t].swap_in) + M[0] * (0 in comp)
+        for k in range(t + 1):
+            if k:
+                u += M[k] * (k in comp) - sum(M[i] * m.FREE[t, i, k - 1].varValue
+                                              for i in set(g.preds[k - 1]) if (t, i, k - 1) in m.FREE)
+            m.U[t, k].varValue = u
+        if t in m.tau:
+            comp_t = sum(g.nodes[i].time for i in comp) / m.time_unit
+            xfer = sum(g.nodes[i].bytes / g.bandwidth for i in st[t].swap_out + st[t].swap_in) / m.time_unit
+            m.tau[t].varValue = max(comp_t, xfer)
+    bad = list(missing)
+    for name, c in m.prob.constraints.items():
+        val = c.value()
+        if (c.sense == pulp.LpConstraintLE and val > 1e-6) or (c.sense == pulp.LpConstraintGE and val < -1e-6) \
+                or (c.sense == pulp.LpConstraintEQ and abs(val) > 1e-6):
+            bad.append((name, val))
+    for v in m.prob.variables():
+        if v.varValue is not None and v.upBound is not None and v.varValue > v.upBound + 1e-6:
+            bad.append((v.name, v.varValue))
+    return bad
+
+
+@pytest.mark.parametrize("g", [linear_chain(10), random_layered(8, seed=2), unet(2)], ids=str)
+def test_every_baseline_schedule_satisfies_every_ilp_row(g):
+    # the ILP and the simulator describe the same schedules: a pruned baseline that fits the
+    # budget in the simulator is a feasible point of the model, with objective = simulated time
+    full = simulate(g, checkpoint_all(g)).peak_bytes
+    checked = 0
+    for ratio in (1.0, 0.8, 0.6):
+        budget = int(full * ratio)
+        m = ilp.build_model(g, budget, swap=True)
+        for nm in ("checkpoint-all", "chen-sqrtn", "chen-greedy", "checkpoint-last-node", "lp-round"):
+            try:
+                sch = ilp.prune_waste(g, get(nm)(g, budget))
+            except InfeasibleBudgetError:
+                continue
+            res = simulate(g, sch)
+            if res.peak_bytes > budget:
+                continue
+            assert assign(m, g, sch) == [], nm
+            import pulp
+            assert math.isclose(pulp.value(m.prob.objective) * m.time_unit, res.time, rel_tol=1e-9)
+            checked += 1
+    assert checked >= 5
+
+
+def test_ilp_swap_schedule_satisfies_its_own_rows():
+    g = linear_chain(6, bandwidth=4)
+    s = ilp.solve(g, 5, swap=True)
+    assert any(st.swap_out for st in s.stages)
+    m = ilp.build_model(g, 5, swap=True)
+    assert assign(m, g, s) == []
