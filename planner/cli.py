@@ -64,7 +64,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     graph = Graph.load(args.graph)
     base = baseline_peak(graph)
     log.info("planning %s (%d nodes) at budget %s with solver %s", args.graph, graph.n, args.budget, args.solver)
-    p = plan(graph, args.budget, args.solver, **_solver_options(args))
+    opts = _solver_options(args)
+    if args.solver == "ilp" and not args.no_progress:
+        opts["progress"] = _ilp_progress_printer()
+    p = plan(graph, args.budget, args.solver, **opts)
     s, pr = p.solver, p.predicted
     backend = f" ({s['backend']})" if s.get("backend") else ""
     print(f"graph      {args.graph}: {graph.n} nodes, fixed {format_bytes(graph.fixed_bytes)}, "
@@ -79,6 +82,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _write(args.output, p.save)
     print(f"wrote      {args.output}")
     return 0
+
+
+def _ilp_progress_printer():
+    """A progress callback for the ILP: one status line on stderr (rewritten in place on a
+    terminal, else a line per change at most every 2 s)."""
+    tty = sys.stderr.isatty()
+    last = {"t": -1e9, "text": ""}
+
+    def show(d: dict) -> None:
+        text = (f"ilp: {d['elapsed']:6.1f} s  incumbent {_fmt_num(d['incumbent'])}  "
+                f"bound {_fmt_num(d['lower_bound'])}  gap {_fmt_num(d['gap'], pct=True)}")
+        if text == last["text"] or (not tty and d["elapsed"] - last["t"] < 2.0):
+            return
+        last.update(t=d["elapsed"], text=text)
+        sys.stderr.write(("\r" + text) if tty else (text + "\n"))
+        sys.stderr.flush()
+    return show
 
 
 # ---- simulate ------------------------------------------------------------------------
@@ -252,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", required=True, help="memory budget, e.g. 6GiB, 512MB, 123456, 0.5x")
     p.add_argument("--solver", default="ilp", help="solver name (default ilp; see `remat solvers`)")
     _add_solver_options(p, 60.0)
+    p.add_argument("--no-progress", action="store_true", help="no ILP progress line on stderr")
     p.add_argument("-o", "--output", required=True, metavar="PLAN.json", help="where to write the plan")
     p.set_defaults(func=cmd_plan)
 

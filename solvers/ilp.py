@@ -76,9 +76,11 @@ import math
 import os
 import re
 import tempfile
+import threading
 import time as _time
 from dataclasses import dataclass, field
 from functools import reduce
+from typing import Callable
 
 import pulp
 
@@ -406,31 +408,115 @@ def parse_cbc_log(text: str) -> dict:
     return out
 
 
+_CBC_INCUMBENT = re.compile(r"(?:Integer solution of|best solution,?)\s*([-+0-9.eE]+)")
+_CBC_PROGRESS = re.compile(r"([-+0-9.eE]+) best solution, best possible ([-+0-9.eE]+)")
+_CBC_CONTINUOUS = re.compile(r"Continuous objective value is ([-+0-9.eE]+)")
+
+
+class _LogWatcher(threading.Thread):
+    """Tails CBC's log while it runs and reports (elapsed s, incumbent, bound) in model units."""
+
+    def __init__(self, path: str, callback: Callable[[float, float | None, float | None], None]):
+        super().__init__(daemon=True)
+        self.path, self.callback = path, callback
+        self.done = threading.Event()
+        self.incumbent: float | None = None
+        self.bound: float | None = None
+
+    def run(self) -> None:
+        t0 = _time.perf_counter()
+        pos = 0
+        while not self.done.wait(0.5):
+            try:
+                with open(self.path) as fh:
+                    fh.seek(pos)
+                    chunk = fh.read()
+                    pos = fh.tell()
+            except OSError:
+                continue
+            changed = False
+            for line in chunk.splitlines():
+                for rx, key in ((_CBC_CONTINUOUS, "bound"), (_CBC_PROGRESS, "both"), (_CBC_INCUMBENT, "inc")):
+                    mt = rx.search(line)
+                    if not mt:
+                        continue
+                    if key == "bound":
+                        self.bound = float(mt.group(1))
+                    elif key == "both":
+                        self.incumbent, self.bound = float(mt.group(1)), float(mt.group(2))
+                    else:
+                        self.incumbent = float(mt.group(1))
+                    changed = True
+                    break
+            if changed:
+                self.callback(_time.perf_counter() - t0, self.incumbent, self.bound)
+
+
+def _line_buffered_cbc() -> str | None:
+    """A script that runs pulp's CBC with line-buffered output (so its log can be followed live),
+    or None where `stdbuf` is missing."""
+    import shutil
+    stdbuf = shutil.which("stdbuf")
+    if stdbuf is None:
+        return None
+    path = os.path.join(tempfile.gettempdir(), f"remat_cbc_linebuf_{os.getuid()}.sh")
+    if not os.path.exists(path):
+        cbc = pulp.PULP_CBC_CMD().path
+        with open(path + ".tmp", "w") as fh:
+            fh.write(f'#!/bin/sh\nexec "{stdbuf}" -oL "{cbc}" "$@"\n')
+        os.chmod(path + ".tmp", 0o755)
+        os.replace(path + ".tmp", path)
+    return path
+
+
 def _run_cbc(m: Model, time_limit: float | None, gap: float, threads: int | None, warm: bool,
-             msg: bool, options: list[str] | None = None) -> dict:
+             msg: bool, options: list[str] | None = None,
+             progress: Callable[[float, float | None, float | None], None] | None = None) -> dict:
     fd, logpath = tempfile.mkstemp(prefix="remat_cbc_", suffix=".log")
     os.close(fd)
+    watcher = None
     try:
         # A MIP start under an elapsed-time limit crashes CBC more often than under a CPU-time
         # limit (the same with one thread, shorter with more).
-        solver = pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None,
-                                   threads=threads, warmStart=warm, logPath=logpath,
-                                   timeMode="cpu" if warm and time_limit else "elapsed", options=options or [])
+        kw = dict(msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None, threads=threads,
+                  warmStart=warm, logPath=logpath, timeMode="cpu" if warm and time_limit else "elapsed",
+                  options=options or [])
+        wrapper = _line_buffered_cbc() if progress is not None else None
+        solver = pulp.COIN_CMD(path=wrapper, **kw) if wrapper else pulp.PULP_CBC_CMD(**kw)
+        if progress is not None:
+            watcher = _LogWatcher(logpath, progress)
+            watcher.start()
         m.prob.solve(solver)
         with open(logpath) as fh:
             return parse_cbc_log(fh.read())
     finally:
+        if watcher is not None:
+            watcher.done.set()
+            watcher.join()
         os.unlink(logpath)
 
 
 def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: int | None,
-         warm: bool, msg: bool, options: list[str] | None = None) -> dict:
-    """Solve the model; return {'sol_status', 'objective', 'bound', 'proven', 'result'} in model units."""
+         warm: bool, msg: bool, options: list[str] | None = None,
+         progress: Callable[[dict], None] | None = None) -> dict:
+    """Solve the model; return {'sol_status', 'objective', 'bound', 'proven', 'result'} in model units.
+
+    `progress`, if given, is called with {"elapsed", "incumbent", "lower_bound", "gap"} (seconds
+    of the schedule, not of the solve) whenever CBC's log shows a new incumbent or bound.
+    """
     offset = m.prob.objective.constant or 0.0  # solvers report objectives without the constant
+    cb = None
+    if progress is not None:
+        def _cb(elapsed: float, inc: float | None, bnd: float | None) -> None:
+            inc_s = (inc + offset) * m.time_unit if inc is not None else None
+            bnd_s = (bnd + offset) * m.time_unit if bnd is not None else None
+            g = (inc_s - bnd_s) / inc_s if inc_s and bnd_s is not None and inc_s > 0 else None
+            progress({"elapsed": elapsed, "incumbent": inc_s, "lower_bound": bnd_s, "gap": g})
+        cb = _cb
     if backend == "cbc":
         t0 = _time.perf_counter()
         try:
-            info = _run_cbc(m, time_limit, gap, threads, warm, msg, options)
+            info = _run_cbc(m, time_limit, gap, threads, warm, msg, options, cb)
         except pulp.PulpSolverError:
             # CBC 2.10 (the binary pulp ships) can crash when the time limit runs out while it
             # is still evaluating the MIP start; solve again without it (the caller keeps the
@@ -438,7 +524,7 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
             left = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
             log.warning("CBC crashed while using the warm start; solving again without it (%s s)", left)
             try:
-                info = _run_cbc(m, left, gap, threads, False, msg, options)
+                info = _run_cbc(m, left, gap, threads, False, msg, options, cb)
             except pulp.PulpSolverError as e:
                 raise SolverError(f"CBC failed: {e}") from None
         for key in ("objective", "lower_bound"):
@@ -485,8 +571,13 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
 def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: float | None = 60.0,
           gap: float = 0.0, threads: int | None = None, backend: str = "cbc", warm_start: bool = True,
           bandwidth: float | None = None, max_memory_units: int = 1_000_000, msg: bool = False,
-          recompute_backward: bool = False, **_: object) -> Schedule:
-    """Optimal schedule under `budget_bytes` (whole-step bytes, fixed bytes included)."""
+          recompute_backward: bool = False, progress: Callable[[dict], None] | None = None,
+          **_: object) -> Schedule:
+    """Optimal schedule under `budget_bytes` (whole-step bytes, fixed bytes included).
+
+    `time_limit` bounds the MIP search (model building and the warm start come on top);
+    `progress(dict)` receives incumbent, lower bound and gap while CBC runs.
+    """
     t0 = _time.perf_counter()
     _check_budget(graph, budget_bytes)
     warm = best_baseline(graph, budget_bytes, bandwidth) if warm_start else None
@@ -496,7 +587,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         set_warm_start(m, warm)
     log.info("ilp: %d variables, %d constraints, warm start %s", len(m.prob.variables()),
              len(m.prob.constraints), warm.report.get("name") if warm else None)
-    out = _run(m, backend, time_limit, gap, threads, warm is not None, msg)
+    out = _run(m, backend, time_limit, gap, threads, warm is not None, msg, progress=progress)
     wall = _time.perf_counter() - t0
     report = {"name": "ilp", "backend": backend, "swap": swap, "time_limit": time_limit, "gap_limit": gap,
               "wall_time": wall, "memory_quantum": m.quantum, "variables": m.meta["variables"],
