@@ -1,4 +1,4 @@
-"""The ``remat`` command line: plan, simulate, sweep, solvers, generate.
+"""The ``remat`` command line: plan, simulate, sweep, solvers, generate, show.
 
 Exit codes (DESIGN.md, promise 4): 0 ok; 1 runtime failure (`RematError` with exit_code 1, e.g.
 an infeasible budget, or a plan that does not fit its budget); 2 bad input (`InvalidInputError`,
@@ -152,6 +152,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         except InvalidInputError as e:
             raise InvalidInputError(str(e).replace("--solver:", "--solvers:", 1)) from None
     opts = _solver_options(args)
+    if args.plot:
+        _check_figure_path(args.plot, "--plot")  # before the solves, not after them
     rows = []
     with tqdm(total=len(budgets) * len(names), file=sys.stderr, unit="solve", desc="sweep",
               disable=args.no_progress) as bar:
@@ -177,7 +179,41 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     n_err = sum(r["status"] == "error" for r in rows)
     print(f"wrote {args.output}: {len(rows)} rows ({len(rows) - n_inf - n_err} solved, {n_inf} infeasible"
           + (f", {n_err} errors" if n_err else "") + ")")
+    if args.plot:
+        from . import viz
+        model = graph.meta.get("model") or Path(args.graph).name
+        fig = viz.plot_sweep(rows, base_time=graph.total_time,
+                             title=f"{model}: overhead against budget ({'no swap' if args.no_swap else 'with swap'})")
+        _write(args.plot, lambda path: fig.savefig(path, dpi=150))
+        print(f"wrote {args.plot}")
     return 0
+
+
+# ---- show ----------------------------------------------------------------------------
+def cmd_show(args: argparse.Namespace) -> int:
+    from .plan import load_plan
+    p = load_plan(args.plan)
+    _check_figure_path(args.output, "-o")
+    from . import viz
+    fig = viz.plot_plan(p, args.kind, x=args.x)
+    _write(args.output, lambda path: fig.savefig(path, dpi=args.dpi))
+    print(f"wrote {args.output}: {args.kind} of {args.plan} ({p.graph.n} nodes, {len(p.schedule.ops)} ops, "
+          f"solver {p.solver.get('name')}, budget {format_bytes(p.budget_bytes)})")
+    return 0
+
+
+def _check_figure_path(path: str, option: str) -> None:
+    """Fail before any work when a figure cannot be written: no folder, or a format matplotlib
+    does not write (the extension picks it)."""
+    from matplotlib.figure import Figure
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        raise InvalidInputError(f"{option}: the folder {str(p.parent)!r} does not exist")
+    kinds = Figure().canvas.get_supported_filetypes()
+    ext = p.suffix.lstrip(".").lower()
+    if ext not in kinds:
+        raise InvalidInputError(f"{option}: cannot tell the image format from {path!r}; end it in one of "
+                                f"{', '.join('.' + k for k in sorted(kinds))}")
 
 
 # ---- solvers -------------------------------------------------------------------------
@@ -295,7 +331,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_solver_options(p, 30.0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", required=True, metavar="SWEEP.csv", help="where to write the CSV")
+    p.add_argument("--plot", metavar="SWEEP.png", default=None,
+                   help="also draw overhead against budget, one curve per solver (png, pdf, svg...)")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("show", help="draw a plan: stage matrices and memory over time",
+                       description="Draw a plan's stage matrices (stages x nodes: compute, resident, "
+                       "swap-out, swap-in), its device memory over time stacked by category with the "
+                       "budget, host memory and the compute/transfer streams, or both side by side.")
+    p.add_argument("plan", metavar="PLAN.json", help="a remat.plan file")
+    p.add_argument("-o", "--output", required=True, metavar="PLAN.png",
+                   help="where to write the figure (the extension picks the format: png, pdf, svg...)")
+    p.add_argument("--kind", choices=("matrices", "memory", "both"), default="both",
+                   help="what to draw (default both)")
+    p.add_argument("--x", choices=("time", "op"), default="time",
+                   help="memory plot's x axis: simulated time or op index (default time)")
+    p.add_argument("--dpi", type=_positive_int, default=150, help="resolution of raster formats (default 150)")
+    p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("solvers", help="list the registered solvers", description="List solver names "
                        "and what each does.")
