@@ -529,7 +529,8 @@ def plot_sweep(rows: "Iterable[Mapping] | Mapping[str, Iterable[Mapping]] | str 
     and hatched, with a dotted line at the smallest budget any solver fitted.  `rows` may also
     map a label to a sweep's rows, to draw several sweeps on one axis (with and without swap,
     several bandwidths): curves are named "label: solver" (just "label" for a one-solver sweep)
-    and each sweep gets its own bound.  ``base_time`` is the no-recompute time
+    and each sweep gets its own bound, drawn only where it is below that sweep's best curve
+    (a sweep proven optimal at every budget needs no bound line).  ``base_time`` is the no-recompute time
     (``graph.total_time``); by default it is read off the rows (time / overhead).  `x` is
     ``"ratio"`` (budget / checkpoint-all peak) or ``"bytes"``.  Draws into `ax` when given.
     Solver curves are `Line2D`s with ``gid`` ``"overhead:<curve name>"``; the bound's gid is
@@ -595,6 +596,13 @@ def plot_sweep(rows: "Iterable[Mapping] | Mapping[str, Iterable[Mapping]] | str 
         for r in rs:
             if r.get("status") in ok and r.get("lower_bound") is not None and base_time:
                 best[xval(r)] = max(best.get(xval(r), 0.0), r["lower_bound"] / base_time)
+        if label is not None:  # of several sweeps, draw only bounds that say more than the curves
+            solved_best: dict[float, float] = {}
+            for r in rs:
+                if r.get("status") in ok and r.get("overhead") is not None:
+                    solved_best[xval(r)] = min(solved_best.get(xval(r), math.inf), r["overhead"])
+            if all(v >= solved_best.get(b, math.inf) - 1e-9 for b, v in best.items()):
+                continue
         if best:
             xs = sorted(best)
             color = "black" if label is None else _group_color(groups, label)
