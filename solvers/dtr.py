@@ -1,0 +1,393 @@
+r"""Dynamic Tensor Rematerialization (Kirisame et al., ICLR 2021) replayed as a static schedule.
+
+DTR is an online policy: it runs the program in order and, when memory runs out, evicts the
+resident tensor with the smallest score, recomputing evicted tensors when an op needs them.
+Here the program is the training graph in id order (forward, loss, backward) and the replay's
+trace becomes an ordinary bare op list (``compute`` / ``free``, ``stages`` None), which the
+simulator validates and the executor runs.
+
+The runtime loop (REFERENCES.md §3.2), per program op ``k`` (stage ``k`` in the emitted ops):
+
+1. *materialise inputs*: stamp each input's last access with the clock, lock the resident
+   ones, rematerialise the evicted ones recursively (each rematerialisation is the same
+   procedure on its own inputs), lock them;
+2. *fit*: while ``fixed + live + bytes(k) + workspace(k) > budget`` evict the pool member with
+   the smallest score; an empty pool is a failure ("out of memory: nothing evictable");
+3. *run*: ``compute k``; the clock advances by k's time (the compute clock: staleness is in
+   compute time, so the replay is deterministic); unlock the inputs;
+4. *release*: an input (or k itself) with no remaining program uses is freed at once: banished
+   (gone for good) when no rematerialisable descendant that is still needed could ask for it,
+   otherwise evicted eagerly (freed, lineage kept, part of evicted neighbourhoods).  Tensors that
+   step 1 rematerialised only to rebuild others are released the same way at the end of the op.
+
+The pool: resident tensors that are rematerialisable, unlocked and non-empty.  Rematerialisable
+= a forward node all of whose inputs are rematerialisable (graph inputs and parameters are
+fixed bytes, always resident).  Loss and backward outputs are never evicted while they have
+uses: autograd evaluates each of them exactly once (the executability rule of this project), so
+when only they remain the replay fails with out of memory.  Thrash guard: when the total compute
+exceeds ``thrash_factor`` (2) times one plain pass, the replay fails ("thrashing").
+
+Heuristics (c = compute time of the producing node, m = bytes, s = staleness = clock - last
+access; evict the minimum; a zero denominator gives infinity; ties go to the smaller id):
+
+=============  ==================================================================
+``dtr``        h_DTR = (c(t) + sum_{u in e*(t)} c(u)) / (m s); e*(t) = the evicted
+               tensors connected to t through evicted tensors (inputs t would need to
+               be rebuilt, and evicted consumers that would need t): exact, the union
+               of the connected components of the evicted set adjacent to t
+``dtr-eq``     h_DTR-eq: as h_DTR with e* over-approximated by equivalence classes
+               (union-find: an eviction makes class {t} valued c(t) and merges it with
+               each evicted neighbour's class; a rematerialisation subtracts c(t) but
+               never splits the class)
+``dtr-local``  c(t) / (m s)
+``dtr-lru``    last access (evict the least recently used)
+``dtr-size``   1 / m (evict the largest)
+``dtr-msps``   (c(t) + sum c(evicted ancestors of t)) / m  (Capuchin's MSPS; no staleness)
+=============  ==================================================================
+
+Memory follows the simulator exactly (outputs allocated at compute, workspace only while the
+node runs, released at ``free``), and the budget is a hard cap checked before every compute,
+so the replay's own peak equals ``simulate(...).peak_bytes`` and never exceeds the budget (the
+prototype checked after each op, a soft cap).  Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Callable
+
+from remat.errors import InfeasibleBudgetError, InvalidInputError
+from remat.graph import Graph
+from remat.schedule import Op, Schedule
+
+from . import register
+
+HEURISTICS = ("dtr", "dtr-eq", "dtr-local", "dtr-lru", "dtr-size", "dtr-msps")
+INF = math.inf
+
+
+class _Failure(Exception):
+    """Raised inside the replay; `solve` turns it into InfeasibleBudgetError."""
+
+
+class Replay:
+    """One DTR run of `graph` under `budget_bytes` with one heuristic.  `run()` fills `ops`."""
+
+    def __init__(self, graph: Graph, budget_bytes: int, heuristic: str = "dtr", thrash_factor: float = 2.0):
+        if heuristic not in HEURISTICS:
+            raise InvalidInputError(f"heuristic: unknown DTR heuristic {heuristic!r}; expected one of {HEURISTICS}")
+        self.g = graph
+        self.budget = int(budget_bytes)
+        self.heuristic = heuristic
+        self.thrash_limit = thrash_factor * graph.total_time
+        n = graph.n
+        self.preds = [sorted(set(p)) for p in graph.preds]
+        self.succs = [sorted(set(s)) for s in graph.succs]
+        self.size = graph.sizes
+        self.cost = graph.times
+        self.ws = [v.workspace_bytes for v in graph.nodes]
+        remat_ok = [False] * n
+        for v in graph.nodes:
+            remat_ok[v.id] = v.kind == "forward" and all(remat_ok[u] for u in self.preds[v.id])
+        self.remat_ok = remat_ok
+        # replay state
+        self.material = [False] * n
+        self.computed = [False] * n          # computed at least once (has a lineage)
+        self.remaining = [len(s) for s in self.succs]  # program uses not yet run
+        self.needed = [True] * n             # may still be read, directly or to rebuild a descendant
+        self.lock = [0] * n
+        self.last_access = [0.0] * n
+        self.evicted: set[int] = set()       # not resident, computed, still needed
+        self.live = 0                        # activation bytes resident
+        self.peak = graph.fixed_bytes
+        self.clock = 0.0                     # compute clock (sum of the times of all computes)
+        self.ops: list[Op] = []
+        self.stage = -1
+        self.stats = {"computes": 0, "rematerializations": 0, "evictions": 0, "eager_evictions": 0,
+                      "banished": 0}
+        # union-find for dtr-eq: each eviction of a tensor gets a fresh handle
+        self._uf_parent: list[int] = []
+        self._uf_value: list[float] = []
+        self._handle: list[int] = [-1] * n
+        self._score: Callable[[int], float] = {
+            "dtr": self._score_dtr, "dtr-eq": self._score_eq, "dtr-local": self._score_local,
+            "dtr-lru": self._score_lru, "dtr-size": self._score_size, "dtr-msps": self._score_msps,
+        }[heuristic]
+        self._components: dict[int, int] | None = None  # e* cache, dropped whenever `evicted` changes
+        self._component_cost: list[float] = []
+
+    # ---- the program ---------------------------------------------------------------------
+    def run(self) -> list[Op]:
+        old = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(old, 4 * self.g.n + 1000))
+        try:
+            for k in range(self.g.n):
+                self.stage = k
+                self._perform(k, remat=False)
+                for u in self.preds[k]:
+                    self.remaining[u] -= 1
+                self._release()
+        finally:
+            sys.setrecursionlimit(old)
+        return self.ops
+
+    def _perform(self, v: int, remat: bool) -> None:
+        ins = self.preds[v]
+        for u in ins:
+            self.last_access[u] = self.clock
+        resident = [u for u in ins if self.material[u]]
+        for u in resident:
+            self.lock[u] += 1
+        for u in ins:
+            if u in resident:
+                continue
+            if not self.material[u]:  # (it may have come back while rebuilding an earlier input)
+                assert self.computed[u] and self.remat_ok[u], f"node {u} is missing and cannot be rebuilt"
+                self._perform(u, remat=True)
+            self.lock[u] += 1
+        need = self.size[v] + self.ws[v]
+        fixed = self.g.fixed_bytes
+        while fixed + self.live + need > self.budget:
+            self._evict_one(v, need)
+        self.ops.append(Op("compute", v, self.stage))
+        self.peak = max(self.peak, fixed + self.live + need)
+        self.live += self.size[v]
+        self.clock += self.cost[v]
+        self.material[v] = True
+        self.last_access[v] = self.clock
+        self.stats["computes"] += 1
+        if remat:
+            self.stats["rematerializations"] += 1
+            self._unevict(v)
+        self.computed[v] = True
+        for u in ins:
+            self.lock[u] -= 1
+        if self.clock > self.thrash_limit * (1 + 1e-12) and self.thrash_limit > 0:
+            raise _Failure(f"thrashing: compute > {self.thrash_limit / self.g.total_time:g}x baseline "
+                           f"(total compute reached {self.clock:g} against one pass of {self.g.total_time:g}, "
+                           f"at node {v} of program op {self.stage})")
+
+    def _release(self) -> None:
+        """After a program op: free every resident tensor with no remaining uses (module docstring, 4)."""
+        dead = self._dead_candidates()
+        for u in dead:
+            self._update_needed(u)
+        for u in dead:
+            if self.material[u] and self.remaining[u] == 0 and self.lock[u] == 0:
+                self._free(u, eager=True)
+
+    def _dead_candidates(self) -> list[int]:
+        # inputs of the op just run, the op itself, and anything its rematerialisations left behind
+        k = self.stage
+        cand = set(self.preds[k]) | {k}
+        for o in reversed(self.ops):
+            if o.stage != k:
+                break
+            if o.op == "compute":
+                cand.add(o.node)
+                cand.update(self.preds[o.node])
+        return sorted(u for u in cand if self.material[u] and self.remaining[u] == 0)
+
+    def _update_needed(self, u: int) -> None:
+        stack = [u]
+        while stack:
+            x = stack.pop()
+            if not self.needed[x] or self.remaining[x] > 0:
+                continue
+            if any(self.needed[c] and self.remat_ok[c] for c in self.succs[x]):
+                continue
+            self.needed[x] = False
+            if x in self.evicted:  # evicted and now nobody can ask for it: banish
+                self.evicted.discard(x)
+                self._components = None
+                self._uf_remove(x)
+                self.stats["banished"] += 1
+            stack.extend(self.preds[x])
+
+    # ---- eviction ------------------------------------------------------------------------
+    def _evict_one(self, v: int, need: int) -> None:
+        best, best_key = -1, (INF, INF)
+        for t in range(self.g.n):
+            if self.material[t] and self.lock[t] == 0 and self.remat_ok[t] and self.size[t] > 0:
+                key = (self._score(t), t)
+                if best < 0 or key < best_key:
+                    best, best_key = t, key
+        if best < 0:
+            held = sorted(t for t in range(self.g.n) if self.material[t])
+            raise _Failure(
+                f"out of memory: nothing evictable at node {v} ({self.g.nodes[v].name}) of program op "
+                f"{self.stage}: it needs {need} bytes with {self.live} activation bytes resident and "
+                f"{self.g.fixed_bytes} fixed, over the budget of {self.budget}; resident and pinned "
+                f"(locked inputs, loss/backward outputs still in use): {held[:12]}"
+                + ("..." if len(held) > 12 else ""))
+        self.stats["evictions"] += 1
+        self._free(best, eager=False)
+
+    def _free(self, t: int, eager: bool) -> None:
+        self.ops.append(Op("free", t, self.stage))
+        self.material[t] = False
+        self.live -= self.size[t]
+        if self.remat_ok[t] and self.needed[t]:
+            self.evicted.add(t)
+            self._components = None
+            self._uf_add(t)
+            if eager:
+                self.stats["eager_evictions"] += 1
+        else:
+            self.needed[t] = False
+            self.stats["banished"] += 1
+            for p in self.preds[t]:
+                self._update_needed(p)
+
+    def _unevict(self, t: int) -> None:
+        if t in self.evicted:
+            self.evicted.discard(t)
+            self._components = None
+            self._uf_remove(t)
+
+    # ---- scores --------------------------------------------------------------------------
+    def _staleness(self, t: int) -> float:
+        return self.clock - self.last_access[t]
+
+    def _ratio(self, num: float, den: float) -> float:
+        return INF if den <= 0 else num / den
+
+    def _score_local(self, t: int) -> float:
+        return self._ratio(self.cost[t], self.size[t] * self._staleness(t))
+
+    def _score_lru(self, t: int) -> float:
+        return self.last_access[t]
+
+    def _score_size(self, t: int) -> float:
+        return self._ratio(1.0, self.size[t])
+
+    def _neighbours(self, t: int) -> list[int]:
+        return [u for u in self.preds[t] + self.succs[t] if u in self.evicted]
+
+    def _score_dtr(self, t: int) -> float:
+        comp = self._evicted_components()
+        seen: set[int] = set()
+        extra = 0.0
+        for u in self._neighbours(t):
+            c = comp[u]
+            if c not in seen:
+                seen.add(c)
+                extra += self._component_cost[c]
+        return self._ratio(self.cost[t] + extra, self.size[t] * self._staleness(t))
+
+    def _evicted_components(self) -> dict[int, int]:
+        """Connected components of the evicted set (undirected, through graph edges): e*'s regions."""
+        if self._components is not None:
+            return self._components
+        comp: dict[int, int] = {}
+        costs: list[float] = []
+        for s in sorted(self.evicted):
+            if s in comp:
+                continue
+            cid = len(costs)
+            total = 0.0
+            comp[s] = cid
+            stack = [s]
+            while stack:
+                x = stack.pop()
+                total += self.cost[x]
+                for y in self.preds[x] + self.succs[x]:
+                    if y in self.evicted and y not in comp:
+                        comp[y] = cid
+                        stack.append(y)
+            costs.append(total)
+        self._components, self._component_cost = comp, costs
+        return comp
+
+    def _score_eq(self, t: int) -> float:
+        roots: set[int] = set()
+        extra = 0.0
+        for u in self._neighbours(t):
+            r = self._uf_find(self._handle[u])
+            if r not in roots:
+                roots.add(r)
+                extra += self._uf_value[r]
+        return self._ratio(self.cost[t] + extra, self.size[t] * self._staleness(t))
+
+    def _score_msps(self, t: int) -> float:
+        seen: set[int] = set()
+        stack = [u for u in self.preds[t] if u in self.evicted]
+        extra = 0.0
+        while stack:
+            x = stack.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            extra += self.cost[x]
+            stack.extend(u for u in self.preds[x] if u in self.evicted and u not in seen)
+        return self._ratio(self.cost[t] + extra, self.size[t])
+
+    # ---- union-find (dtr-eq) -------------------------------------------------------------
+    def _uf_find(self, h: int) -> int:
+        p = self._uf_parent
+        root = h
+        while p[root] != root:
+            root = p[root]
+        while p[h] != root:
+            p[h], h = root, p[h]
+        return root
+
+    def _uf_add(self, t: int) -> None:
+        if self.heuristic != "dtr-eq":
+            return
+        h = len(self._uf_parent)
+        self._uf_parent.append(h)
+        self._uf_value.append(self.cost[t])
+        self._handle[t] = h
+        for u in self._neighbours(t):
+            a, b = self._uf_find(h), self._uf_find(self._handle[u])
+            if a != b:
+                self._uf_parent[b] = a
+                self._uf_value[a] += self._uf_value[b]
+
+    def _uf_remove(self, t: int) -> None:
+        """Rematerialised (or banished): subtract its cost from its class, never split."""
+        if self.heuristic != "dtr-eq" or self._handle[t] < 0:
+            return
+        r = self._uf_find(self._handle[t])
+        self._uf_value[r] = max(0.0, self._uf_value[r] - self.cost[t])
+        self._handle[t] = -1
+
+
+def solve(graph: Graph, budget_bytes: int, heuristic: str = "dtr", thrash_factor: float = 2.0,
+          **_: object) -> Schedule:
+    """DTR's replay under `budget_bytes` (whole-step bytes, fixed included) as a bare op list.
+
+    Raises InfeasibleBudgetError ("out of memory: nothing evictable" or "thrashing: compute >
+    2x baseline") when DTR's runtime would fail.
+    """
+    if thrash_factor <= 0:
+        raise InvalidInputError(f"thrash_factor: must be > 0, got {thrash_factor!r}")
+    rp = Replay(graph, budget_bytes, heuristic, thrash_factor)
+    try:
+        ops = rp.run()
+    except _Failure as e:
+        raise InfeasibleBudgetError(f"{heuristic}: {e}", int(budget_bytes), fixed_bytes=graph.fixed_bytes) from None
+    base = graph.total_time
+    sched = Schedule(ops, None)
+    sched.report = {"name": heuristic, "status": "heuristic", "objective": rp.clock, "compute_time": rp.clock,
+                    "overhead": rp.clock / base if base > 0 else 1.0, "peak_bytes": rp.peak,
+                    "thrash_factor": thrash_factor, **rp.stats}
+    return sched
+
+
+def _make(heuristic: str, description: str) -> Callable:
+    @register(heuristic, description)
+    def _solve(graph: Graph, budget_bytes: int, **options: object) -> Schedule:
+        options.pop("heuristic", None)
+        return solve(graph, budget_bytes, heuristic=heuristic, **options)
+    _solve.__name__ = _solve.__qualname__ = heuristic.replace("-", "_")
+    return _solve
+
+
+dtr = _make("dtr", "DTR replay, h_DTR with the exact evicted neighbourhood e* (Kirisame et al. 2021)")
+dtr_eq = _make("dtr-eq", "DTR replay, h_DTR-eq: e* over-approximated by union-find equivalence classes")
+dtr_local = _make("dtr-local", "DTR replay, h_DTR-local: cost / (bytes x staleness), no neighbourhood")
+dtr_lru = _make("dtr-lru", "DTR replay, h_LRU: evict the least recently used tensor")
+dtr_size = _make("dtr-size", "DTR replay, h_size: evict the largest tensor")
+dtr_msps = _make("dtr-msps", "DTR replay, h_MSPS (Capuchin): (cost + evicted ancestors' cost) / bytes")
