@@ -9,4 +9,13 @@ from .plan import Plan, load_plan, plan  # the function `remat.plan`; the module
 __version__ = "0.1.0"
 __all__ = ["Graph", "Node", "Schedule", "Stage", "Op", "simulate", "SimResult",
            "plan", "Plan", "load_plan", "parse_budget", "format_bytes",
-           "RematError", "InvalidInputError", "InfeasibleBudgetError", "SolverError"]
+           "RematError", "InvalidInputError", "InfeasibleBudgetError", "SolverError", "trace"]
+
+
+def __getattr__(name: str):
+    # `remat.trace` lives in remat.frontends, which imports torch: load it on first use only,
+    # so `import remat` stays torch-free.
+    if name == "trace":
+        from remat.frontends.trace import trace
+        return trace
+    raise AttributeError(f"module 'remat' has no attribute {name!r}")

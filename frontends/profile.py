@@ -1,0 +1,279 @@
+"""Run each stage of a captured graph on its own and measure it.
+
+A stage runs its ATen ops on real tensors: activation inputs become fresh leaves (cloned when
+the stage writes into them), parameters are the model's own.  Per stage:
+
+* forward and backward time: warm-up, then the median of ``repeats`` runs (CUDA events on a GPU,
+  ``time.perf_counter`` elsewhere), or, for ``profile="flops"``, a deterministic cost from
+  ``torch.utils.flop_counter`` (see `FlopsModel`);
+* output bytes and saved bytes: unique storages of the outputs and of the tensors autograd packs
+  (``saved_tensors_hooks``), leaving out parameters, buffers and the stage's inputs (a saved
+  input is its producer's output, counted there);
+* workspace: the peak of storages allocated while the stage runs above what it keeps
+  (`StorageTracker`); for the backward, above the input gradients it returns.  Parameter
+  gradients exist before the backward (they are fixed bytes) and accumulate in place, so the
+  backward's workspace holds each new parameter gradient only until it is added, as in a
+  training loop that keeps its gradients (``zero_grad(set_to_none=False)``).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .measure import StorageTracker, storage_bytes, storage_key, unique_bytes
+
+
+@dataclass
+class FlopsModel:
+    """Deterministic time model: ``time = flops / flops_per_s + bytes / bytes_per_s``, where
+    ``bytes`` are the bytes the stage's ops allocate (a floor for ops with no flop formula,
+    which ``torch.utils.flop_counter`` counts as 0).  Defaults are an A100-class GPU in fp32/TF32
+    (REFERENCES.md 7.2: the compiler's estimator does the same with max(flops, 1))."""
+    flops_per_s: float = 50e12
+    bytes_per_s: float = 1.5e12
+
+    def time(self, flops: int, nbytes: int) -> float:
+        return flops / self.flops_per_s + nbytes / self.bytes_per_s
+
+
+@dataclass
+class StageProfile:
+    fwd_time: float = 0.0
+    bwd_time: float = 0.0
+    fwd_times: list = field(default_factory=list)
+    bwd_times: list = field(default_factory=list)
+    output_bytes: int = 0
+    saved_bytes: int = 0
+    retained_bytes: int = 0
+    fwd_workspace: int = 0
+    grad_bytes: int = 0            # gradients w.r.t. the stage's activation inputs
+    param_grad_bytes: int = 0
+    bwd_workspace: int = 0
+    saves_input: list = field(default_factory=list)   # per input: does autograd save its storage
+    saves_output: bool = False                        # does autograd save one of the outputs
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    fwd_alloc_bytes: int = 0
+    bwd_alloc_bytes: int = 0
+    random: bool = False
+    mutated: list = field(default_factory=list)       # names of buffers/inputs written in place
+    differentiable: bool = True
+
+
+RANDOM_TAG = torch.Tag.nondeterministic_seeded
+
+
+def is_random(node: fx.Node) -> bool:
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and RANDOM_TAG in t.tags
+
+
+def writes_of(node: fx.Node) -> list:
+    """Argument values the op writes in place (from its schema)."""
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return []
+    out = []
+    for idx, a in enumerate(t._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            val = node.args[idx] if idx < len(node.args) else node.kwargs.get(a.name)
+            if isinstance(val, fx.Node):
+                out.append(val)
+    return out
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.name = "cuda events" if self.cuda else "perf_counter"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+
+def run_nodes(nodes: list, env: dict) -> dict:
+    """Evaluate fx call_function nodes in order; `env` maps outside nodes to values."""
+    local = dict(env)
+    get = local.__getitem__
+    for n in nodes:
+        args = fx.node.map_arg(n.args, get)
+        kwargs = fx.node.map_arg(n.kwargs, get)
+        local[n] = n.target(*args, **kwargs)
+    return local
+
+
+def _tensors(xs: Any) -> list:
+    return [t for t in tree_flatten(xs)[0] if isinstance(t, torch.Tensor)]
+
+
+class Runner:
+    """A differentiable function of a stage: ``forward(inputs) -> outputs`` plus how to make
+    its inputs and take its backward.  `grad_inputs` are the positions whose gradient is wanted
+    (activations); parameters come through `params`."""
+
+    def __init__(self, forward: Callable[[list], list], values: list, grad_inputs: list[int],
+                 cloned_inputs: list[int], params: list):
+        self.forward = forward
+        self.values = values
+        self.grad_inputs = grad_inputs
+        self.cloned = set(cloned_inputs)
+        self.params = params
+
+    def make_inputs(self) -> tuple[list, list, list]:
+        """(arguments, leaves wanting gradients, clones made)"""
+        args, leaves, clones = [], [], []
+        for k, v in enumerate(self.values):
+            if k in self.grad_inputs:
+                leaf = v.detach().requires_grad_(True)
+                leaves.append(leaf)
+                v = leaf
+            if k in self.cloned and isinstance(v, torch.Tensor):
+                v = v.clone()
+                clones.append(v)
+            args.append(v)
+        return args, leaves, clones
+
+
+def _diff(outputs: list) -> list:
+    return [o for o in _tensors(outputs) if o.requires_grad]
+
+
+def _backward(outs: list, grad_outs: list | None, leaves: list, params: list) -> list:
+    """Backward into the leaves' and parameters' ``.grad`` (parameters accumulate into their
+    existing gradients, as in a training loop that keeps them); returns the leaves' gradients."""
+    targets = leaves + params
+    if not outs or not targets:
+        return [None] * len(leaves)
+    for leaf in leaves:
+        leaf.grad = None
+    torch.autograd.backward(outs, grad_outs, inputs=targets)
+    return [leaf.grad for leaf in leaves]
+
+
+def profile_runner(runner: Runner, *, device: torch.device, ignore: list, measure_time: bool, warmup: int,
+                   repeats: int, grad_outputs: Callable[[list], list] | None = None,
+                   flops: bool = False) -> tuple[StageProfile, list]:
+    """Profile one stage (see the module docstring).  Returns (profile, [(output of a plain run,
+    whether it requires grad)])."""
+    prof = StageProfile()
+    timer = Timer(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    # 1. a plain run: the outputs downstream stages consume, the gradient buffers, a warm-up
+    args, leaves, _ = runner.make_inputs()
+    outs = runner.forward(args)
+    diff = _diff(outs)
+    gouts = grad_outputs(diff) if grad_outputs else [torch.ones_like(o) for o in diff]
+    _backward(diff, gouts, leaves, runner.params)
+    plain = [(o.detach(), o.requires_grad) if isinstance(o, torch.Tensor) else (o, False) for o in outs]
+    prof.differentiable = bool(diff)
+    del args, leaves, outs, diff
+
+    # 2. a measured run: storages, saved tensors, flops
+    args, leaves, clones = runner.make_inputs()
+    tracker = StorageTracker(record_events=True)
+    tracker.ignore(ignore)
+    tracker.ignore(runner.values)
+    tracker.ignore(args)
+    tracker.ignore(gouts or [])
+    input_keys = {}
+    for k, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            input_keys.setdefault(storage_key(a), k)
+    for k, v in enumerate(runner.values):
+        if isinstance(v, torch.Tensor):
+            input_keys.setdefault(storage_key(v), k)
+    excluded = set(tracker.ignored)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.setdefault(storage_key(t), storage_bytes(t))
+        return t.detach()
+
+    counter_f = _flop_counter() if flops else None
+    counter_b = _flop_counter() if flops else None
+    with tracker:
+        m0 = tracker.mark()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (counter_f or _null()):
+            outs = runner.forward(args)
+        m1 = tracker.mark()
+        diff = _diff(outs)
+        out_keys = {storage_key(t): storage_bytes(t) for t in _tensors(outs)}
+        own_out = {k: b for k, b in out_keys.items() if k not in excluded}
+        own_saved = {k: b for k, b in saved.items() if k not in excluded and k not in own_out}
+        prof.output_bytes = sum(own_out.values())
+        prof.saved_bytes = sum(own_saved.values())
+        prof.saves_output = any(k in saved for k in own_out)
+        prof.retained_bytes = sum(tracker.new_live(m0).values())
+        kept = max(prof.output_bytes + prof.saved_bytes, prof.retained_bytes)
+        prof.fwd_workspace = max(0, tracker.peak_between(m0, m1) - kept)
+        prof.fwd_alloc_bytes = sum(d for _, d in tracker.events[m0:m1] if d > 0)
+        saved_inputs = {input_keys[k] for k in saved if k in input_keys}
+        prof.saves_input = [k in saved_inputs for k in range(len(runner.values))]
+        with (counter_b or _null()):
+            grads = _backward(diff, gouts, leaves, runner.params)
+        m2 = tracker.mark()
+        in_keys = {storage_key(g): storage_bytes(g) for g in grads if g is not None}
+        prof.grad_bytes = sum(in_keys.values())
+        prof.param_grad_bytes = unique_bytes(p.grad for p in runner.params if p.grad is not None)
+        prof.bwd_workspace = max(0, tracker.peak_between(m1, m2) - prof.grad_bytes)
+        prof.bwd_alloc_bytes = sum(d for _, d in tracker.events[m1:m2] if d > 0)
+        del grads, outs, diff
+    prof.fwd_flops = counter_f.get_total_flops() if counter_f else 0
+    prof.bwd_flops = counter_b.get_total_flops() if counter_b else 0
+    del args, leaves, clones
+
+    # 3. timed runs
+    if measure_time:
+        fw, bw = [], []
+        for r in range(max(0, warmup - 1) + repeats):
+            args, leaves, _ = runner.make_inputs()
+            sync()
+            t0 = timer.mark()
+            outs = runner.forward(args)
+            t1 = timer.mark()
+            diff = _diff(outs)
+            _backward(diff, gouts, leaves, runner.params)
+            t2 = timer.mark()
+            if r >= max(0, warmup - 1):
+                fw.append(timer.seconds(t0, t1))
+                bw.append(timer.seconds(t1, t2))
+            del args, leaves, outs, diff
+        prof.fwd_times, prof.bwd_times = fw, bw
+        prof.fwd_time = statistics.median(fw) if fw else 0.0
+        prof.bwd_time = statistics.median(bw) if bw and prof.differentiable else 0.0
+    return prof, plain
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+    return FlopCounterMode(display=False)
+
+
+__all__ = ["FlopsModel", "StageProfile", "Runner", "profile_runner", "run_nodes", "is_random", "writes_of",
+           "Timer"]
