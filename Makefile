@@ -4,7 +4,7 @@ DEMO   ?= out/demo
 # solvers the demo sweeps with (see `remat solvers`)
 DEMO_SOLVERS ?= ilp,chen-greedy,checkpoint-all
 
-.PHONY: install test demo bench clean
+.PHONY: install test notebooks demo bench clean
 
 # torch first, pinned to the CPU wheel on local disk: a bare `torch` requirement resolved on its
 # own would download a multi-GB CUDA build (the project itself asks only for torch>=2.4).
@@ -14,6 +14,11 @@ install:
 
 test:
 	$(PYTHON) -m pytest -q
+
+# execute notebooks/*.ipynb headless with nbclient (also part of `make test`); outputs are not
+# written back. A notebook whose metadata `remat.requires` names a missing API is skipped.
+notebooks:
+	$(PYTHON) -m pytest -q -rs -m notebooks tests/test_viz.py
 
 # A 32-layer chain (65 nodes, abstract units): plan it with the ILP at 0.4x of the
 # checkpoint-all peak, re-simulate the plan, then sweep a few budgets with a few solvers.
