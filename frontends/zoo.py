@@ -378,16 +378,29 @@ CONFIGS: dict[str, tuple[Callable, dict, dict]] = {
 }
 
 
+def _shape_settings(name: str, shape: tuple) -> dict:
+    if name == "gpt2":
+        if len(shape) != 1 or shape[0] < 1:
+            raise ValueError(f"gpt2: input shape is (sequence length,), got {shape}")
+        return {"seq_len": shape[0]}
+    if len(shape) != 3 or shape[0] != 3 or shape[1] != shape[2] or shape[1] < 1:
+        raise ValueError(f"{name}: input shape is (3, H, W) with H = W, got {shape}")
+    return {"image_size": shape[1]}
+
+
 def names() -> list[str]:
     return list(CONFIGS)
 
 
-def get(name: str, *, full: bool = False, seed: int | None = 0, **overrides: Any) -> tuple[nn.Module, tuple]:
+def get(name: str, *, full: bool = False, seed: int | None = 0, input_shape: tuple | list | None = None,
+        **overrides: Any) -> tuple[nn.Module, tuple]:
     """Build zoo model `name` with its example inputs: ``(model, example_inputs)``.
 
     ``full=True`` selects the published size; other keywords override single settings (see
-    `CONFIGS`).  ``seed`` makes the random init and inputs reproducible (None: leave the global
-    RNG alone).  The model is in training mode, on the CPU, float32.
+    `CONFIGS`; None leaves a setting at its default).  ``input_shape`` is the shape of one
+    example without the batch: ``(3, H, W)`` for the CNNs (H = W), ``(T,)`` for GPT-2.
+    ``seed`` makes the random init and inputs reproducible (None: leave the global RNG alone).
+    The model is in training mode, on the CPU, float32.
     """
     if name not in CONFIGS:
         raise KeyError(f"unknown zoo model {name!r}; available: {', '.join(names())}")
@@ -397,6 +410,8 @@ def get(name: str, *, full: bool = False, seed: int | None = 0, **overrides: Any
     if unknown:
         raise TypeError(f"zoo model {name!r} has no setting {sorted(unknown)[0]!r}; settings: {', '.join(cfg)}")
     cfg.update({k: v for k, v in overrides.items() if v is not None})
+    if input_shape is not None:
+        cfg.update(_shape_settings(name, tuple(int(d) for d in input_shape)))
     if seed is None:
         model, inputs = build(**cfg)
     else:

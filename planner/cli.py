@@ -61,7 +61,7 @@ def _solver_options(args: argparse.Namespace) -> dict:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .graph import Graph
     from .plan import plan
-    graph = Graph.load(args.graph)
+    graph = _graph_or_model(args.graph, progress=not args.no_progress)
     base = baseline_peak(graph)
     log.info("planning %s (%d nodes) at budget %s with solver %s", args.graph, graph.n, args.budget, args.solver)
     opts = _solver_options(args)
@@ -244,6 +244,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- trace ---------------------------------------------------------------------------
+def cmd_trace(args: argparse.Namespace) -> int:
+    from remat.frontends.cli import run_trace  # imports torch
+    _write(args.output, lambda p: None)  # check the folder before spending time on tracing
+    return run_trace(args)
+
+
+def _graph_or_model(text: str, progress: bool = True):
+    """A GRAPH.json, or a MODEL (zoo name, FILE.py:FACTORY, package.module:FACTORY) traced first
+    with the default options of `remat trace`."""
+    from .graph import Graph
+    if text.endswith(".json") or Path(text).is_file():
+        return Graph.load(text)
+    from remat.frontends.cli import trace_model  # imports torch
+    log.info("tracing %s with the default options of `remat trace`", text)
+    return trace_model(text, progress=progress)
+
+
 def _write(path: str, writer) -> None:
     p = Path(path)
     if p.parent and not p.parent.exists():
@@ -304,13 +322,41 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a graph to fit a memory budget",
                        description="Solve for a schedule of GRAPH that fits --budget and write it as a plan.",
                        epilog=f"--budget is the peak device memory of the whole step: {FORMS}.")
-    p.add_argument("graph", metavar="GRAPH.json", help="a remat.graph file (see `remat generate`)")
+    p.add_argument("graph", metavar="GRAPH.json", help="a remat.graph file (see `remat generate`), or a MODEL "
+                   "to trace first as `remat trace MODEL` does")
     p.add_argument("--budget", required=True, help="memory budget, e.g. 6GiB, 512MB, 123456, 0.5x")
     p.add_argument("--solver", default="ilp", help="solver name (default ilp; see `remat solvers`)")
     _add_solver_options(p, 60.0)
     p.add_argument("--no-progress", action="store_true", help="no ILP progress line on stderr")
     p.add_argument("-o", "--output", required=True, metavar="PLAN.json", help="where to write the plan")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("trace", help="trace and profile a PyTorch model into a graph",
+                       description="Trace one training step of MODEL (export, cut into module or op nodes, "
+                       "profile time and memory per node) and write its graph.",
+                       epilog="MODEL: a zoo model (resnet18, resnet50, vgg16, mobilenet_v2, unet, gpt2), "
+                       "path/to/file.py:FACTORY or package.module:FACTORY; a factory returns a model or "
+                       "(model, example_inputs).")
+    p.add_argument("model", metavar="MODEL", help="zoo name, FILE.py:FACTORY or package.module:FACTORY")
+    p.add_argument("--batch", type=_positive_int, default=None, help="batch size (default: the model's)")
+    p.add_argument("--input-shape", default=None, metavar="SHAPE",
+                   help="one example's shape without the batch, e.g. 3,224,224 (GPT-2: sequence length)")
+    p.add_argument("--full", action="store_true", help="zoo models: the published size instead of the small one")
+    p.add_argument("--granularity", choices=("module", "op"), default="module",
+                   help="one node per module call (default) or per ATen op")
+    p.add_argument("--depth", type=_positive_int, default=1,
+                   help="module depth of the nodes (default 1: the top module's children, through containers)")
+    p.add_argument("--profile", choices=("measure", "flops"), default="measure",
+                   help="measured times (default) or deterministic FLOP-based times")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: where the model is)")
+    p.add_argument("--repeats", type=_positive_int, default=None, help="timed runs per node (default 5)")
+    p.add_argument("--optimizer", default=None, help="count optimizer state as fixed bytes: sgd, sgd-momentum, "
+                   "adam, adamw, rmsprop, adagrad")
+    p.add_argument("--capture", choices=("auto", "export", "eager"), default="auto",
+                   help="torch.export with an eager fallback (default), export only, or eager recording")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output", required=True, metavar="GRAPH.json", help="where to write the graph")
+    p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("simulate", help="re-simulate a plan: peak, time, breakdown, fit",
                        description="Replay a plan's schedule in the simulator and report peak memory, time "

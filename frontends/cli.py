@@ -1,0 +1,156 @@
+"""What ``remat trace`` and ``remat plan MODEL`` run (the argument parsing stays in remat.cli,
+which imports no torch).
+
+MODEL is a zoo name (``remat.frontends.zoo.names()``), ``path/to/file.py:factory`` or
+``package.module:factory``.  A factory is called with no arguments (or with ``batch=N`` when
+``--batch`` is given and it takes a ``batch`` parameter) and returns a model, or a pair
+``(model, example_inputs)``.  ``--input-shape C,H,W`` makes the example input
+``torch.randn(batch, C, H, W)`` (batch 1 unless ``--batch``); a factory that returns no inputs
+needs it.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from remat.errors import InvalidInputError, RematError
+
+log = logging.getLogger(__name__)
+
+FORMS = "a zoo model ({zoo}), path/to/file.py:FACTORY or package.module:FACTORY"
+
+
+def parse_shape(text: str | None) -> tuple[int, ...] | None:
+    """``"3,224,224"`` or ``"3x224x224"`` -> (3, 224, 224)."""
+    if text is None:
+        return None
+    parts = [p for p in text.replace("x", ",").replace(" ", "").split(",") if p]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        raise InvalidInputError(f"--input-shape: expected whole numbers like 3,224,224, got {text!r}") from None
+    if not shape or any(d < 1 for d in shape):
+        raise InvalidInputError(f"--input-shape: expected positive whole numbers like 3,224,224, got {text!r}")
+    return shape
+
+
+def load_model(spec: str, *, batch: int | None = None, input_shape: tuple | None = None,
+               full: bool = False) -> tuple[Any, tuple, str]:
+    """(model, example_inputs, name) for a MODEL spec (see the module docstring)."""
+    from . import zoo
+    forms = FORMS.format(zoo=", ".join(zoo.names()))
+    if spec in zoo.names():
+        try:
+            model, inputs = zoo.get(spec, full=full, batch=batch, input_shape=input_shape)
+        except (ValueError, TypeError) as e:
+            raise InvalidInputError(f"--input-shape: {e}") from None
+        return model, inputs, spec
+    if ":" not in spec:
+        raise InvalidInputError(f"MODEL: unknown model {spec!r}; expected {forms}")
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise InvalidInputError(f"MODEL: cannot read {spec!r}; expected {forms}")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise InvalidInputError(f"MODEL: the file {where!r} does not exist")
+        mod_name = f"_remat_model_{abs(hash(str(path.resolve())))}"
+        try:
+            sp = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(sp)
+            sys.modules[mod_name] = module
+            sp.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - any error in user code is the user's input
+            raise InvalidInputError(f"MODEL: cannot load {where!r}: {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:  # noqa: BLE001
+            raise InvalidInputError(f"MODEL: cannot import module {where!r}: {type(e).__name__}: {e}") from e
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise InvalidInputError(f"MODEL: {where!r} has no factory {attr!r}")
+    if not callable(factory):
+        raise InvalidInputError(f"MODEL: {where}:{attr} is not callable")
+    kwargs = {}
+    if batch is not None and _takes(factory, "batch"):
+        kwargs["batch"] = batch
+    try:
+        made = factory(**kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise InvalidInputError(f"MODEL: {where}:{attr}() failed: {type(e).__name__}: {e}") from e
+    import torch
+    if isinstance(made, torch.nn.Module):
+        model, inputs = made, None
+    elif isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
+        model, inputs = made
+    else:
+        raise InvalidInputError(f"MODEL: {where}:{attr}() must return a torch.nn.Module or (module, example_inputs), "
+                                f"got {type(made).__name__}")
+    if input_shape is not None:
+        inputs = (torch.randn(batch or 1, *input_shape),)
+    elif inputs is None:
+        raise InvalidInputError(f"MODEL: {where}:{attr}() returned a model without example inputs; pass "
+                                "--input-shape (one example's shape, without the batch)")
+    elif batch is not None and "batch" not in kwargs:
+        log.warning("--batch %d: %s:%s takes no batch parameter; using the inputs it returned", batch, where, attr)
+    stem = Path(where).stem if where.endswith(".py") else where.rsplit(".", 1)[-1]
+    return model, inputs, f"{stem}:{attr}"
+
+
+def _takes(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def trace_model(spec: str, *, batch: int | None = None, input_shape: tuple | None = None, full: bool = False,
+                progress: bool = True, **options: Any):
+    from .trace import trace
+    model, inputs, name = load_model(spec, batch=batch, input_shape=input_shape, full=full)
+    return trace(model, inputs, name=name, progress=progress, **options)
+
+
+def run_trace(args: Any) -> int:
+    """``remat trace``: trace MODEL, print a summary, write the graph."""
+    from remat.budget import baseline_peak, format_bytes
+    graph = trace_model(args.model, batch=args.batch, input_shape=parse_shape(args.input_shape), full=args.full,
+                        progress=not args.no_progress, granularity=args.granularity, depth=args.depth,
+                        profile=args.profile, device=args.device, repeats=args.repeats, optimizer=args.optimizer,
+                        capture_with=args.capture)
+    m = graph.meta
+    fb = m["fixed_breakdown"]
+    n_fwd = len(graph.forward_ids())
+    fwd = sum(v.time for v in graph.nodes if v.kind == "forward")
+    bwd = sum(v.time for v in graph.nodes if v.kind == "backward")
+    loss = sum(v.time for v in graph.nodes if v.kind == "loss")
+    secs = m["trace_seconds"]
+    how = (f"median of {m['profile_options']['repeats']} runs" if m["profiler"] == "measure"
+           else "flops model, not measured")
+    print(f"model      {m['model']}: batch {m['batch']}, inputs {m['input_shapes']}, {m['dtype']} on {m['device']}, "
+          f"torch {m['torch']}")
+    print(f"capture    {m['capture']}, {m['granularity']} granularity"
+          + (f" (depth {m['depth']})" if m.get("depth") else "")
+          + f": {n_fwd} forward nodes, {graph.n} nodes, {len(graph.edges)} edges")
+    print(f"memory     fixed {format_bytes(graph.fixed_bytes)} (parameters {format_bytes(fb['parameters'])}, gradients "
+          f"{format_bytes(fb['gradients'])}, buffers {format_bytes(fb['buffers'])}, inputs {format_bytes(fb['inputs'])}, "
+          f"optimizer {format_bytes(fb['optimizer'])}); checkpoint-all peak {format_bytes(baseline_peak(graph))}")
+    print(f"time       forward {fwd * 1e3:.4g} ms, loss {loss * 1e3:.4g} ms, backward {bwd * 1e3:.4g} ms ({how})")
+    print(f"trace      {secs['total']:.2f} s (capture {secs['capture']:.2f} s, profiling {secs['profile']:.2f} s = "
+          f"{100 * secs['profile'] / secs['total'] if secs['total'] else 0:.0f}%)")
+    try:
+        graph.save(args.output)
+    except OSError as e:
+        raise RematError(f"cannot write {args.output!r}: {e.strerror or e}") from e
+    print(f"wrote      {args.output}")
+    return 0
+
+
+__all__ = ["load_model", "trace_model", "run_trace", "parse_shape"]
