@@ -50,6 +50,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from .budget import format_bytes
 from .errors import InvalidInputError
 from .graph import Graph
 from .schedule import Schedule
@@ -95,12 +96,12 @@ _KIND_LABELS = {"forward": "forward", "loss": "loss", "backward": "backward"}
 
 # ---- units ---------------------------------------------------------------------------
 def byte_unit(max_bytes: float) -> tuple[float, str]:
-    """(divisor, name) that shows `max_bytes` as a number under ~10000: B up to 10 KiB, then
-    KiB, MiB, GiB, TiB (powers of 1024)."""
-    for name, size in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
-        if max_bytes >= 10 * size:
+    """(divisor, name) for an axis whose largest value is `max_bytes`: B below 10 KiB (synthetic
+    graphs), KiB below 1 MiB, then MiB, GiB, TiB (powers of 1024)."""
+    for name, size in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2)):
+        if max_bytes >= size:
             return float(size), name
-    return 1.0, "B"
+    return (1024.0, "KiB") if max_bytes >= 10 * 1024 else (1.0, "B")
 
 
 def time_unit(max_seconds: float) -> tuple[float, str]:
@@ -113,8 +114,7 @@ def time_unit(max_seconds: float) -> tuple[float, str]:
 
 
 def _fmt_bytes(n: float) -> str:
-    div, name = byte_unit(n)
-    return f"{n:.0f} B" if div == 1 else f"{n / div:.3g} {name}"
+    return format_bytes(n)
 
 
 def _new_figure(fig: "Figure | SubFigure | None", size: tuple[float, float]) -> "Figure | SubFigure":
@@ -369,15 +369,18 @@ def _mark_regions(ax: "Axes", graph: Graph, T: int, stages: bool) -> None:
 
 # ---- memory over time ----------------------------------------------------------------
 def plot_memory(source: "Plan | Graph", schedule: Schedule | None = None, *, budget_bytes: int | None = None,
-                x: str = "time", bandwidth: float | None = None, title: str | None = None,
-                fig: "Figure | SubFigure | None" = None) -> Figure:
+                x: str = "time", bandwidth: float | None = None, zoom: bool | None = None,
+                title: str | None = None, fig: "Figure | SubFigure | None" = None) -> Figure:
     """Device memory over a schedule: ``plot_memory(plan)`` or ``plot_memory(graph, schedule)``.
 
     Top: device bytes stacked by category (`CATEGORIES`, from `memory_breakdown`), the budget as
     a red line (the plan's, or `budget_bytes`), the peak marked.  Middle: host bytes held by
     swap-outs.  Bottom: the compute stream (first computes blue, recomputes vermillion) above
     the transfer stream (swap-outs orange, swap-ins green).  `x` is ``"time"`` (simulated
-    seconds; the axis picks s/ms/us) or ``"op"`` (op index).  The stacked areas are
+    seconds; the axis picks s/ms/us) or ``"op"`` (op index).  `zoom` starts the memory axis just
+    below the fixed bytes instead of at 0 (the y label says so); by default it does when the
+    fixed bytes are more than half the top of the axis, as on small models whose parameters
+    outweigh their activations.  The stacked areas are
     `PolyCollection`s whose ``gid`` is the category; the stream bars are collections from
     ``broken_barh`` (gid ``"compute"``, ``"recompute"``, ``"swap out"``, ``"swap in"``), one path per op.
     """
@@ -422,7 +425,8 @@ def plot_memory(source: "Plan | Graph", schedule: Schedule | None = None, *, bud
     ax, axh, axs = axes
     present = [c for c in CATEGORIES if np.any(mb.during[c])]
     polys = ax.stackplot(xs, *[ys[c] / bdiv for c in present], step="post", colors=[COLORS[c] for c in present],
-                         labels=[_CATEGORY_LABELS[c] for c in present], linewidth=0)
+                         labels=[_CATEGORY_LABELS[c] + (f" {_fmt_bytes(graph.fixed_bytes)}" if c == "fixed" else "")
+                                 for c in present], linewidth=0)
     for c, p in zip(present, polys):
         p.set_gid(c)
     if budget_bytes:
@@ -430,8 +434,13 @@ def plot_memory(source: "Plan | Graph", schedule: Schedule | None = None, *, bud
                    label=f"budget {_fmt_bytes(budget_bytes)}")
     ax.plot([peak_x], [mb.peak_bytes / bdiv], marker="v", color="black", ms=7, ls="none",
             label=f"peak {_fmt_bytes(mb.peak_bytes)}")
-    ax.set_ylim(0, top / bdiv * 1.12)
-    ax.set_ylabel(f"device memory ({bname})")
+    if zoom is None:
+        zoom = graph.fixed_bytes > 0.5 * top
+    bottom = 0.0
+    if zoom and graph.fixed_bytes:
+        bottom = max(0.0, graph.fixed_bytes - 0.08 * (top - graph.fixed_bytes))
+    ax.set_ylim(bottom / bdiv, (top + 0.12 * (top - bottom)) / bdiv)
+    ax.set_ylabel(f"device memory ({bname})" + (f"\naxis starts at {_fmt_bytes(bottom)}" if bottom else ""))
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize="small")
     ax.grid(axis="y", alpha=0.3)
     out.suptitle(title if title is not None else "Memory: " + _describe(graph, plan, schedule),
@@ -474,8 +483,12 @@ def _draw_streams(ax: "Axes", mb: MemoryBreakdown, x: str, tdiv: float) -> None:
               "swap in": COLORS["swapped in"]}
     handles = []
     for key, spans in bars.items():
-        coll = ax.broken_barh(spans, lanes[key], facecolors=colors[key], edgecolors="white",
-                              linewidth=0.3 if len(spans) < 150 else 0)
+        if key in ("swap out", "swap in"):  # an edge of its own colour keeps short copies visible
+            coll = ax.broken_barh(spans, lanes[key], facecolors=colors[key], edgecolors=colors[key],
+                                  linewidth=0.8)
+        else:  # white edges part consecutive computes
+            coll = ax.broken_barh(spans, lanes[key], facecolors=colors[key], edgecolors="white",
+                                  linewidth=0.3 if len(spans) < 150 else 0)
         coll.set_gid(key)
         handles.append(Patch(color=colors[key], label=f"{key} ({len(spans)})"))
     ax.set_ylim(0, 1.9)

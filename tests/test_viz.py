@@ -158,9 +158,10 @@ def test_memory_plot_top_equals_peak(known_plan):
 
 
 def test_units_by_magnitude():
-    assert viz.byte_unit(13) == (1.0, "B")
-    assert viz.byte_unit(3 * 1024 ** 3)[1] == "MiB"
-    assert viz.byte_unit(30 * 1024 ** 3)[1] == "GiB"
+    assert viz.byte_unit(13) == (1.0, "B")  # synthetic graphs
+    assert viz.byte_unit(5000)[1] == "B" and viz.byte_unit(50_000)[1] == "KiB"
+    assert viz.byte_unit(7 * 1024 ** 2) == (1024.0 ** 2, "MiB")
+    assert viz.byte_unit(3 * 1024 ** 3)[1] == "GiB"
     assert viz.time_unit(120.0)[1] == "s" and viz.time_unit(0.25)[1] == "ms"
 
 
@@ -341,3 +342,13 @@ def test_notebook_executes(path, tmp_path):
     images = sum("image/png" in out.get("data", {}) for cell in nb.cells if cell.cell_type == "code"
                  for out in cell.outputs)
     assert images >= 1, f"{path.name} drew no figure"
+
+
+def test_memory_axis_zooms_when_fixed_bytes_dominate(known):
+    g, sched = known
+    big = remat.Graph(g.nodes, g.edges, 100, g.meta)  # 100 fixed bytes against at most 7 of the rest
+    fig = viz.plot_memory(big, sched)
+    ax = fig.axes[0]
+    assert 90 < ax.get_ylim()[0] < 100 and "axis starts at" in ax.get_ylabel()
+    fig = viz.plot_memory(big, sched, zoom=False)
+    assert fig.axes[0].get_ylim()[0] == 0
