@@ -323,12 +323,16 @@ def plot_matrices(source: "Plan | Graph", schedule: Schedule | None = None, *, t
     ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=10))
     ax.set_xlabel("node i (topological order)")
     ax.set_ylabel(row_label)
+    staged = schedule.stages is not None
     n_first = sum(1 for c in r_colors if c == COLORS["kept"])
     handles = [Patch(color=COLORS["kept"], label=f"compute, first (R): {n_first}"),
                Patch(color=COLORS["recomputed"], label=f"recompute (R): {len(r_cells) - n_first}"),
-               Patch(color=COLORS["resident"], label=f"resident at start (S): {len(s_cells)}"),
-               Patch(color=COLORS["swap out"], label=f"swap-out starts (in S): {len(so_cells)}"),
-               Patch(color=COLORS["swapped in"], label=f"swap-in (usable next row): {len(si_cells)}")]
+               Patch(color=COLORS["resident"], label=f"resident at start (S): {len(s_cells)}" if staged
+                     else f"resident before the compute: {len(s_cells)}"),
+               Patch(color=COLORS["swap out"], label=f"swap-out starts (in S): {len(so_cells)}" if staged
+                     else f"swap-out issued since the last row: {len(so_cells)}"),
+               Patch(color=COLORS["swapped in"], label=f"swap-in (usable next row): {len(si_cells)}" if staged
+                     else f"swap-in issued since the last row: {len(si_cells)}")]
     out.legend(handles=handles, loc="outside right center", frameon=False, title="cells (count)",
                alignment="left")
     out.suptitle(title if title is not None else "Schedule: " + _describe(graph, plan, schedule),
