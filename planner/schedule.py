@@ -8,17 +8,22 @@ computes node t for the first time, possibly recomputing nodes < t.  Per stage t
 * ``swap_out``(SO[t]): resident outputs whose copy to the host starts at the stage start
   (the device copy stays for the whole stage, then is freed unless kept into t+1);
 * ``swap_in`` (SI[t]): host copies brought back during stage t; their device bytes are allocated
-  at the stage start and they are usable from stage t+1 on (prefetch one stage ahead).
+  at the stage start and they are usable from stage t+1 on (prefetch one stage ahead);
+* ``fetch``   (SF[t]): host copies brought back at the start of stage t and waited for before
+  its first compute, so stage t can use them (a swap-in on the critical path).
 
 The op list of stage t is (the contract every solver and the executor share):
 
-1. ``swap_out i`` for i in SO[t], then ``swap_in i`` for i in SI[t] (issued at the stage start);
+1. ``swap_in i`` for i in SF[t], ``swap_out i`` for i in SO[t], ``swap_in i`` for i in SI[t]
+   (issued at the stage start, in that order on the one transfer stream), then ``wait i`` for
+   i in SF[t];
 2. for k in R[t] ascending: ``compute k``, then ``free i`` for each input i of k that has no later
    consumer in R[t], is not kept into t+1 and is not being swapped out (Checkmate's FREE rule);
 3. ``wait i`` for every transfer of the stage;
 4. ``free i`` for every output still resident that is not kept into t+1.
 
-So a stage lasts max(compute time, transfer time): the ILP's time model (see solvers/ilp.py).
+So a stage lasts fetch + max(compute, swap-out + swap-in) transfer/compute time: the ILP's time
+model (see solvers/ilp.py).
 A schedule may also be a bare op list (``stages`` None), as DTR's replay produces.
 """
 from __future__ import annotations
@@ -38,10 +43,11 @@ class Stage:
     keep: list[int] = field(default_factory=list)
     swap_out: list[int] = field(default_factory=list)
     swap_in: list[int] = field(default_factory=list)
+    fetch: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"compute": list(self.compute), "keep": list(self.keep),
-                "swap_out": list(self.swap_out), "swap_in": list(self.swap_in)}
+                "swap_out": list(self.swap_out), "swap_in": list(self.swap_in), "fetch": list(self.fetch)}
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,8 @@ class Schedule:
     # ---- construction ----------------------------------------------------------------
     @classmethod
     def from_stages(cls, graph: Graph, stages: Sequence[Stage]) -> "Schedule":
-        stages = [Stage(sorted(s.compute), sorted(s.keep), sorted(s.swap_out), sorted(s.swap_in))
-                  for s in stages]
+        stages = [Stage(sorted(s.compute), sorted(s.keep), sorted(s.swap_out), sorted(s.swap_in),
+                        sorted(s.fetch)) for s in stages]
         return cls(ops_from_stages(graph, stages), stages)
 
     @classmethod
@@ -84,14 +90,15 @@ class Schedule:
 
     # ---- views -----------------------------------------------------------------------
     def matrices(self, n: int):
-        """Dense 0/1 numpy matrices (R, S, SO, SI), each T x n. Needs stages."""
+        """Dense 0/1 numpy matrices (R, S, SO, SI), each T x n; SI holds both kinds of swap-in
+        (prefetch and fetch). Needs stages."""
         import numpy as np
         if self.stages is None:
             raise ValueError("this schedule is a bare op list; it has no stage matrices")
         T = len(self.stages)
         mats = [np.zeros((T, n), dtype=np.int8) for _ in range(4)]
         for t, s in enumerate(self.stages):
-            for m, ids in zip(mats, (s.compute, s.keep, s.swap_out, s.swap_in)):
+            for m, ids in zip(mats, (s.compute, s.keep, s.swap_out, list(s.swap_in) + list(s.fetch))):
                 m[t, list(ids)] = 1
         return tuple(mats)
 
@@ -136,13 +143,13 @@ class Schedule:
             for idx, s in enumerate(d["stages"]):
                 if not isinstance(s, dict) or not isinstance(s.get("compute"), list):
                     raise InvalidInputError(f"schedule.stages[{idx}].compute: missing or not a list")
-                for key in ("compute", "keep", "swap_out", "swap_in"):
+                for key in ("compute", "keep", "swap_out", "swap_in", "fetch"):
                     ids = s.get(key, [])
                     if not isinstance(ids, list) or not all(isinstance(i, int) and (n is None or 0 <= i < n)
                                                             for i in ids):
                         raise InvalidInputError(f"schedule.stages[{idx}].{key}: expected a list of node ids")
                 stages.append(Stage(s["compute"], s.get("keep", []), s.get("swap_out", []),
-                                    s.get("swap_in", [])))
+                                    s.get("swap_in", []), s.get("fetch", [])))
         return cls(ops, stages)
 
 
@@ -189,11 +196,15 @@ def ops_from_stages(graph: Graph, stages: Sequence[Stage]) -> list[Op]:
             for i in in_edges[k]:
                 last_reader[i] = k
         swap_out = set(st.swap_out)
-        resident = set(st.keep) | set(st.swap_in)
+        resident = set(st.keep) | set(st.swap_in) | set(st.fetch)
+        for i in sorted(st.fetch):
+            ops.append(Op("swap_in", i, t))
         for i in sorted(st.swap_out):
             ops.append(Op("swap_out", i, t))
         for i in sorted(st.swap_in):
             ops.append(Op("swap_in", i, t))
+        for i in sorted(st.fetch):
+            ops.append(Op("wait", i, t))
         for k in comp:
             ops.append(Op("compute", k, t))
             resident.add(k)

@@ -9,24 +9,27 @@ R[t,i]   binary   i is (re)computed in stage t                 (R[t,t] = 1 is a 
 S[t,i]   [0,1]    i's output is resident at the start of stage t (S[0,.] = 0); continuous, see below
 SO[t,i]  binary   i's copy to the host starts at the start of stage t      (swap only)
 SI[t,i]  binary   i's host copy comes back during stage t, usable at t+1   (swap only)
+SF[t,i]  binary   i's host copy is fetched at the start of stage t and waited for, usable in t
 FREE[t,(i,k)] continuous in [0,1]  i is released right after k runs in stage t
 U[t,k]   continuous >= 0  device bytes right after k runs in stage t (before its inputs are freed)
 tau[t]   continuous       length of stage t                                  (swap only)
 
 Constraints (family names as in the code)
 ------------------------------------------
-validity     S[t+1,i] <= S[t,i] + R[t,i] + SI[t,i]
-deps         R[t,k] <= R[t,i] + S[t,i]                 for (i,k) in E, k <= t
-no_dup       R[t,i] + S[t,i] <= 1                      (never recompute a resident value)
+validity     S[t+1,i] <= S[t,i] + R[t,i] + SI[t,i] + SF[t,i]
+deps         R[t,k] <= R[t,i] + S[t,i] + SF[t,i]       for (i,k) in E, k <= t
+no_dup       R[t,i] + S[t,i] + SI[t,i] + SF[t,i] <= 1  (never bring back a value twice)
 swap_out     SO[t,i] <= S[t,i];  sum_t SO[t,i] <= 1    (one host copy, made from a resident value)
-swap_in      SI[t,i] <= sum_{t'<t} SO[t',i];  SI[t,i] <= S[t+1,i];  SI[t,i] + S[t,i] + R[t,i] <= 1
+swap_in      SI[t,i] <= sum_{t'<t} SO[t',i];  SI[t,i] <= S[t+1,i]
+fetch        SF[t,i] <= sum_{t'<t} SO[t',i];  SF[t,i] <= S[t+1,i] + sum_{k in succ(i), k <= t} R[t,k]
 free_*       FREE[t,(i,k)] <= R[t,k];  <= 1 - S[t+1,i];  <= 1 - R[t,j] for j in succ(i), k < j <= t;
              <= 1 - SO[t,i]   (Checkmate's hazard rows, disaggregated; see below)
-free_once    sum_k FREE[t,(i,k)] <= R[t,i] + S[t,i]   (released once, and only if present)
-memory       U[t,0] = M_0 R[t,0] + sum_i M_i (S[t,i] + SI[t,i])
+free_once    sum_k FREE[t,(i,k)] <= R[t,i] + S[t,i] + SF[t,i]   (released once, only if present)
+memory       U[t,0] = M_0 R[t,0] + sum_i M_i (S[t,i] + SI[t,i] + SF[t,i])
              U[t,k] = U[t,k-1] + M_k R[t,k] - sum_{(i,k-1) in E} M_i FREE[t,(i,k-1)]
              U[t,k] + W_k R[t,k] <= B - fixed_bytes           (W = workspace bytes)
-stage time   tau[t] >= sum_i C_i R[t,i];  tau[t] >= sum_i (M_i / bandwidth) (SO[t,i] + SI[t,i])
+stage time   tau[t] >= F_t + sum_i C_i R[t,i];  tau[t] >= F_t + sum_i (M_i / bandwidth) (SO[t,i] + SI[t,i])
+             with F_t = sum_i (M_i / bandwidth) SF[t,i] (fetches run first and are waited for)
 no_waste     S[t,i] <= S[t+1,i] + SO[t,i] + sum_{k in succ(i), k <= t} R[t,k]
              R[t,i] <= S[t+1,i] + sum_{k in succ(i), i < k <= t} R[t,k]          (i < t)
 
@@ -55,9 +58,12 @@ remove pointless combinations.  tests/test_ilp.py checks the optimum against an 
 search over all schedules on small graphs, with and without swap.
 
 The time model is the simulator's for the op list that `Schedule.from_stages` emits: transfers
-start at the stage start on their own stream and are waited for at the stage end, so a stage
-lasts max(compute, transfers); swapped-in values are used from the next stage on.  Hence the
-objective equals `simulate(...).time` (tested).
+start at the stage start on their own stream: fetches first, waited for before the first
+compute, then swap-outs and prefetches, waited for at the stage end.  So a stage lasts
+fetch + max(compute, swap-out + prefetch), and the objective equals `simulate(...).time`
+(tested).  What the stage model cannot express: a transfer spread over several stages, and a
+swap-in consumed mid-stage while earlier computes of the stage overlap it (TFLMS's op lists can
+do both, so a bare op list can beat the ILP's "optimal" swap schedule by that overlap).
 
 Memory is divided by the gcd of all sizes and the budget.  When that still leaves more than
 ``max_memory_units`` units, sizes are rounded up and the budget down to a coarser quantum: the
@@ -101,6 +107,7 @@ class Model:
     S: dict
     SO: dict
     SI: dict
+    SF: dict
     FREE: dict
     U: dict
     tau: dict
@@ -163,16 +170,20 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     S: dict = {}
     SO: dict = {}
     SI: dict = {}
+    SF: dict = {}
     for t in range(n):
         for i in range(t):
             if not sink[i]:
                 if recompute_backward or graph.nodes[i].kind == "forward":
                     R[t, i] = var("R", t, i)
                 S[t, i] = var("S", t, i)
-                if swap and M[i] > 0 and t < n - 1:
-                    SO[t, i] = var("SO", t, i)
+                if swap and M[i] > 0:
+                    if t < n - 1:
+                        SO[t, i] = var("SO", t, i)
                     if t >= 2 and i <= t - 2:
-                        SI[t, i] = var("SI", t, i)
+                        SF[t, i] = var("SF", t, i)
+                        if t < n - 1:
+                            SI[t, i] = var("SI", t, i)
 
     def r(t: int, i: int):
         return 1 if i == t else R.get((t, i), 0)
@@ -186,22 +197,25 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     def si(t: int, i: int):
         return SI.get((t, i), 0)
 
+    def sf(t: int, i: int):
+        return SF.get((t, i), 0)
+
     add = prob.addConstraint
     for t in range(n):
         for i in range(t + 1):
             if (t + 1, i) in S:
-                add(S[t + 1, i] <= s(t, i) + r(t, i) + si(t, i), f"validity_{t}_{i}")
+                add(S[t + 1, i] <= s(t, i) + r(t, i) + si(t, i) + sf(t, i), f"validity_{t}_{i}")
             if (t, i) in R:
-                add(R[t, i] + S[t, i] + si(t, i) <= 1, f"no_dup_{t}_{i}")
-            elif (t, i) in SI:
-                add(S[t, i] + SI[t, i] <= 1, f"no_dup_{t}_{i}")
+                add(R[t, i] + S[t, i] + si(t, i) + sf(t, i) <= 1, f"no_dup_{t}_{i}")
+            elif (t, i) in SI or (t, i) in SF:
+                add(S[t, i] + si(t, i) + sf(t, i) <= 1, f"no_dup_{t}_{i}")
         for (i, k) in graph.edges:
             if k > t:
                 continue
             if k == t:
-                add(r(t, i) + S[t, i] >= 1, f"deps_{t}_{i}_{k}")
+                add(r(t, i) + S[t, i] + sf(t, i) >= 1, f"deps_{t}_{i}_{k}")
             elif (t, k) in R:
-                add(R[t, k] <= r(t, i) + S[t, i], f"deps_{t}_{i}_{k}")
+                add(R[t, k] <= r(t, i) + S[t, i] + sf(t, i), f"deps_{t}_{i}_{k}")
     for (t, i), v in SO.items():
         add(v <= S[t, i], f"swap_out_resident_{t}_{i}")
     for i in range(n):
@@ -211,6 +225,9 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     for (t, i), v in SI.items():
         add(v <= pulp.lpSum(SO[tt, i] for tt in range(t) if (tt, i) in SO), f"swap_in_host_{t}_{i}")
         add(v <= s(t + 1, i), f"swap_in_used_{t}_{i}")
+    for (t, i), v in SF.items():
+        add(v <= pulp.lpSum(SO[tt, i] for tt in range(t) if (tt, i) in SO), f"fetch_host_{t}_{i}")
+        add(v <= s(t + 1, i) + pulp.lpSum(r(t, k) for k in succs[i] if k <= t), f"fetch_used_{t}_{i}")
 
     # FREE and memory
     FREE: dict = {}
@@ -245,14 +262,14 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
             if tt == t:
                 by_value.setdefault(i, []).append(f)
         for i, fs in by_value.items():
-            add(pulp.lpSum(fs) <= r(t, i) + s(t, i), f"free_once_{t}_{i}")
+            add(pulp.lpSum(fs) <= r(t, i) + s(t, i) + sf(t, i), f"free_once_{t}_{i}")
         prev = None
         for k in range(t + 1):
             rk = r(t, k)
             u = pulp.LpVariable(f"U_{t}_{k}", 0, B)
             U[t, k] = u
             if k == 0:
-                add(u == M[0] * rk + pulp.lpSum(M[i] * (s(t, i) + si(t, i)) for i in range(t)),
+                add(u == M[0] * rk + pulp.lpSum(M[i] * (s(t, i) + si(t, i) + sf(t, i)) for i in range(t)),
                     f"memory_init_{t}")
             else:
                 add(u == prev + M[k] * rk - pulp.lpSum(M[i] * FREE[t, i, k - 1] for i in in_edges[k - 1]
@@ -276,15 +293,16 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
             comp = C[t] + pulp.lpSum(C[i] * R[t, i] for i in range(t) if (t, i) in R)
             xfer = [X[i] * v for (tt, i), v in SO.items() if tt == t] + \
                    [X[i] * v for (tt, i), v in SI.items() if tt == t]
-            if xfer:
+            fetch = [X[i] * v for (tt, i), v in SF.items() if tt == t]
+            if xfer or fetch:
                 tau[t] = pulp.LpVariable(f"tau_{t}", 0)
-                add(tau[t] >= comp, f"stage_compute_{t}")
-                add(tau[t] >= pulp.lpSum(xfer), f"stage_transfer_{t}")
+                add(tau[t] >= pulp.lpSum(fetch) + comp, f"stage_compute_{t}")
+                add(tau[t] >= pulp.lpSum(fetch) + pulp.lpSum(xfer), f"stage_transfer_{t}")
         prob += pulp.lpSum(tau.values()) + pulp.lpSum(
             C[t] + pulp.lpSum(C[i] * R[t, i] for i in range(t) if (t, i) in R) for t in range(n) if t not in tau)
     else:
         prob += sum(C) + pulp.lpSum(C[i] * v for (t, i), v in R.items())
-    return Model(prob, R, S, SO, SI, FREE, U, tau, q, cu, B, swap,
+    return Model(prob, R, S, SO, SI, SF, FREE, U, tau, q, cu, B, swap,
                  meta={"memory_units_budget": B, "variables": len(prob.variables()),
                        "constraints": len(prob.constraints), "quantised": quantised, "M": M, "W": W})
 
@@ -295,13 +313,15 @@ def schedule_from_model(graph: Graph, m: Model) -> Schedule:
     R = [{t} | {i for i in range(t) if (t, i) in m.R and val(m.R[t, i])} for t in range(n)]
     SO = [{i for i in range(t) if (t, i) in m.SO and val(m.SO[t, i])} for t in range(n)]
     SI = [{i for i in range(t) if (t, i) in m.SI and val(m.SI[t, i])} for t in range(n)]
-    S = minimal_keep(graph, R, SO, SI)
+    SF = [{i for i in range(t) if (t, i) in m.SF and val(m.SF[t, i])} for t in range(n)]
+    S = minimal_keep(graph, R, SO, SI, SF)
     SI = [SI[t] & (S[t + 1] if t + 1 < n else set()) for t in range(n)]
-    return Schedule.from_stages(graph, [Stage(sorted(R[t]), sorted(S[t]), sorted(SO[t]), sorted(SI[t]))
-                                        for t in range(n)])
+    return Schedule.from_stages(graph, [Stage(sorted(R[t]), sorted(S[t]), sorted(SO[t]), sorted(SI[t]),
+                                              sorted(SF[t])) for t in range(n)])
 
 
-def minimal_keep(graph: Graph, R: list[set[int]], SO: list[set[int]], SI: list[set[int]]) -> list[set[int]]:
+def minimal_keep(graph: Graph, R: list[set[int]], SO: list[set[int]], SI: list[set[int]],
+                 SF: list[set[int]] | None = None) -> list[set[int]]:
     """The smallest S that R and the swaps need, from the last stage back.
 
     S[t] holds every input of a node computed in stage t that stage t does not compute itself,
@@ -311,11 +331,12 @@ def minimal_keep(graph: Graph, R: list[set[int]], SO: list[set[int]], SI: list[s
     and loosens the FREE bounds, which is why S can be a continuous variable in the model.
     """
     n = graph.n
+    SF = SF or [set() for _ in range(n)]
     S: list[set[int]] = [set() for _ in range(n + 1)]
     for t in reversed(range(n)):
-        need = {u for k in R[t] for u in graph.preds[k] if u not in R[t]}
+        need = {u for k in R[t] for u in graph.preds[k] if u not in R[t] and u not in SF[t]}
         need |= SO[t]
-        need |= {i for i in S[t + 1] if i not in R[t] and i not in SI[t]}
+        need |= {i for i in S[t + 1] if i not in R[t] and i not in SI[t] and i not in SF[t]}
         S[t] = need
     if S[0]:
         raise AssertionError(f"schedule needs values {sorted(S[0])} before the first stage")
@@ -324,27 +345,28 @@ def minimal_keep(graph: Graph, R: list[set[int]], SO: list[set[int]], SI: list[s
 
 def set_warm_start(m: Model, schedule: Schedule) -> None:
     """Initial values for every binary from a schedule with stage matrices."""
-    for d in (m.R, m.S, m.SO, m.SI):
+    for d in (m.R, m.S, m.SO, m.SI, m.SF):
         for v in d.values():
             v.setInitialValue(0)
     for t, st in enumerate(schedule.stages or []):
         for i in st.compute:
             if (t, i) in m.R:
                 m.R[t, i].setInitialValue(1)
-        for d, ids in ((m.S, st.keep), (m.SO, st.swap_out), (m.SI, st.swap_in)):
+        for d, ids in ((m.S, st.keep), (m.SO, st.swap_out), (m.SI, st.swap_in), (m.SF, st.fetch)):
             for i in ids:
                 if (t, i) in d:
                     d[t, i].setInitialValue(1)
 
 
 def prune_waste(graph: Graph, schedule: Schedule) -> Schedule:
-    """Remove kept/recomputed values that nothing uses (the ILP's no_waste rows), to a fixpoint."""
+    """Remove kept/recomputed/fetched values that nothing uses (the ILP's no_waste rows), to a fixpoint."""
     assert schedule.stages is not None
     n = len(schedule.stages)
     R = [set(s.compute) for s in schedule.stages]
     S = [set(s.keep) for s in schedule.stages]
     SO = [set(s.swap_out) for s in schedule.stages]
     SI = [set(s.swap_in) for s in schedule.stages]
+    SF = [set(s.fetch) for s in schedule.stages]
     succs = graph.succs
     changed = True
     while changed:
@@ -363,8 +385,12 @@ def prune_waste(graph: Graph, schedule: Schedule) -> Schedule:
                 if i not in nxt:
                     SI[t].discard(i)
                     changed = True
-    return Schedule.from_stages(graph, [Stage(sorted(R[t]), sorted(S[t]), sorted(SO[t]), sorted(SI[t]))
-                                        for t in range(n)])
+            for i in sorted(SF[t]):
+                if i not in nxt and not any(k in R[t] for k in succs[i]):
+                    SF[t].discard(i)
+                    changed = True
+    return Schedule.from_stages(graph, [Stage(sorted(R[t]), sorted(S[t]), sorted(SO[t]), sorted(SI[t]),
+                                              sorted(SF[t])) for t in range(n)])
 
 
 _WARM_START_SOLVERS = ("checkpoint-all", "chen-greedy", "griewank", "chen-sqrtn", "checkpoint-last-node")

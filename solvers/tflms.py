@@ -35,11 +35,11 @@ The peak is not strictly monotone in the parameters: each search's answer is one
 simulated and fits, and when a search's first probe fails its range is scanned.  Of all the
 fitting settings the searches simulated, the fastest is returned.
 
-Timing caveat: a swap-in issued right before its consumer (ahead 0, or no op in between) stalls
-the compute stream within that op, and a transfer longer than one op overlaps several ops; the
-ILP's stage model (solvers/ilp.py: swap-ins usable from the next stage, transfers within one
-stage) allows neither, so at tight budgets or slow links TFLMS can be faster than the ILP's
-"optimal" swap schedule.  Both are valid in the simulator.
+Timing caveat: a transfer longer than one op overlaps several ops, and a swap-in consumed
+mid-stage overlaps the computes before its consumer; the ILP's stage model (solvers/ilp.py:
+transfers within one stage, a same-stage swap-in waited for at the stage start) allows neither,
+so at slow links TFLMS can be slightly faster than the ILP's "optimal" swap schedule.  Both are
+valid in the simulator.
 Nothing here imports torch.
 """
 from __future__ import annotations

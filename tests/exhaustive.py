@@ -2,9 +2,10 @@
 
 Written independently of solvers/ilp.py, schedule.ops_from_stages and simulate, from the
 semantics in schedule.py's docstring: per stage t a resident set S[t], swap-outs SO[t] of
-resident values, swap-ins SI[t] of host copies (usable from t+1), the minimal recomputation R[t]
+resident values, swap-ins SI[t] of host copies (usable from t+1), fetches SF[t] of host copies
+(waited for, usable in t), the minimal recomputation R[t]
 that the next resident set needs, Checkmate's release rule, and stage time = max(compute,
-transfer).  A dynamic program over the exact state (resident set, host set) per stage: every
+transfer, plus fetches before both).  A dynamic program over the exact state (resident set, host set) per stage: every
 schedule is a path through it, so its minimum is the true optimum of the model.
 """
 from __future__ import annotations
@@ -41,8 +42,8 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
             stack.extend(u for u in preds[x] if u not in resident and u not in R)
         return R
 
-    def stage(t, S, SO, SI, R, nxt):
-        mem = sum(M[i] for i in S) + sum(M[i] for i in SI)
+    def stage(t, S, SO, SI, SF, R, nxt):
+        mem = sum(M[i] for i in S) + sum(M[i] for i in SI) + sum(M[i] for i in SF)
         peak = mem
         for k in sorted(R):
             peak = max(peak, mem + M[k] + W[k])
@@ -53,7 +54,8 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
                 if any(j > k and j in R for j in succs[i]):
                     continue
                 mem -= M[i]
-        time = max(sum(C[k] for k in R), sum(M[i] / bw for i in SO | SI))
+        fetch = sum(M[i] / bw for i in SF)
+        time = fetch + max(sum(C[k] for k in R), sum(M[i] / bw for i in SO | SI))
         return peak, time
 
     @lru_cache(maxsize=None)
@@ -63,31 +65,36 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
         S_set, H_set = set(S), set(H)
         result = None
         # dominated choices left out: keeping a value nothing ever reads (a sink), swapping out a
-        # value no later stage can read
-        nxt_choices = _subsets([i for i in range(t + 1) if succs[i]]) if t + 1 < n else [()]
-        for nxt in nxt_choices:
-            nxt_set = set(nxt)
-            fresh = [i for i in nxt_set if i not in S_set and i != t]
-            swappable = [i for i in fresh if i in H_set] if swap else []
-            for SI in _subsets(swappable):
-                SI_set = set(SI)
-                R = closure({t} | (set(fresh) - SI_set), S_set)
-                if R & SI_set:
-                    continue  # recomputed anyway: dominated by the choice without the swap-in
-                if not recompute_backward and any(k != t and graph.nodes[k].kind != "forward" for k in R):
-                    continue  # autograd runs each backward node (and the loss) exactly once
-                so_choices = (_subsets([i for i in S_set - H_set if max(succs[i]) > t])
-                              if (swap and t + 1 < n) else [()])
-                for SO in so_choices:
-                    SO_set = set(SO)
-                    peak, time = stage(t, S_set, SO_set, SI_set, R, nxt_set)
-                    if peak > B:
+        # value no later stage can read, fetching a value the stage neither reads nor keeps
+        nxt_choices = list(_subsets([i for i in range(t + 1) if succs[i]])) if t + 1 < n else [()]
+        for SF in (_subsets(H_set - S_set) if swap else [()]):
+            SF_set = set(SF)
+            resident = S_set | SF_set
+            for nxt in nxt_choices:
+                nxt_set = set(nxt)
+                fresh = [i for i in nxt_set if i not in resident and i != t]
+                swappable = [i for i in fresh if i in H_set] if swap else []
+                for SI in _subsets(swappable):
+                    SI_set = set(SI)
+                    R = closure({t} | (set(fresh) - SI_set), resident)
+                    if R & (SI_set | SF_set):
+                        continue  # recomputed anyway: dominated by the choice without the swap-in
+                    if not recompute_backward and any(k != t and graph.nodes[k].kind != "forward" for k in R):
+                        continue  # autograd runs each backward node (and the loss) exactly once
+                    if any(i not in nxt_set and not any(k in R for k in succs[i]) for i in SF_set):
                         continue
-                    rest = best(t + 1, tuple(sorted(nxt_set)), tuple(sorted(H_set | SO_set)))
-                    if rest is None:
-                        continue
-                    if result is None or time + rest < result:
-                        result = time + rest
+                    so_choices = (_subsets([i for i in S_set - H_set if max(succs[i]) > t])
+                                  if (swap and t + 1 < n) else [()])
+                    for SO in so_choices:
+                        SO_set = set(SO)
+                        peak, time = stage(t, S_set, SO_set, SI_set, SF_set, R, nxt_set)
+                        if peak > B:
+                            continue
+                        rest = best(t + 1, tuple(sorted(nxt_set)), tuple(sorted(H_set | SO_set)))
+                        if rest is None:
+                            continue
+                        if result is None or time + rest < result:
+                            result = time + rest
         return result
 
     return best(0, (), ())
