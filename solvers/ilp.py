@@ -629,6 +629,11 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     elif out["infeasible"] and backend == "cbc":
         # confirm without CBC's preprocessing before telling the user the budget cannot be met
         out = _run(m, backend, time_limit, gap, threads, False, msg, options=["preprocess off"])
+    if out["sol_status"] in (1, 2) and not _integral(m):
+        # CBC stopped by the time limit before any integer solution writes the relaxation's
+        # values, which PuLP labels "integer feasible": not an incumbent
+        log.info("the solver's values are fractional (%s): no incumbent", out["result"])
+        out.update(sol_status=0, objective=None, proven=False)
     sched = None
     if out["sol_status"] in (1, 2) and out["objective"] is not None:
         sched = schedule_from_model(graph, m)
@@ -652,6 +657,11 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                           f"({out['result'] or 'no result'}); raise --time-limit or use a baseline solver")
     bound = out["bound"] * m.time_unit if out["bound"] is not None else None
     proven = out["proven"]
+    if bound is not None and not proven and not bound <= objective * (1 + 1e-6) + 1e-9:
+        # CBC interrupted inside its root cut loop can print a garbage bound (seen: 2e13 against
+        # an incumbent of 154); a bound above a schedule we hold is no bound
+        log.warning("discarding the solver's lower bound %.6g (above the incumbent %.6g)", bound, objective)
+        bound = None
     if bound is None:  # the solver gave none (crash, or stopped before its root bound): use the LP
         bound = solve_relaxation(graph, budget_bytes, swap=swap, bandwidth=bandwidth,
                                  recompute_backward=recompute_backward)[1]
@@ -691,6 +701,15 @@ def solve_relaxation(graph: Graph, budget_bytes: int, *, swap: bool = True, band
     if status != "Optimal":
         raise SolverError(f"the LP relaxation ended with status {status}")
     return m, pulp.value(m.prob.objective) * m.time_unit
+
+
+def _integral(m: Model, tol: float = 1e-4) -> bool:
+    for d in (m.R, m.SO, m.SI, m.SF):
+        for v in d.values():
+            x = v.varValue
+            if x is None or min(abs(x), abs(1 - x)) > tol:
+                return False
+    return True
 
 
 def _node_need(graph: Graph) -> int:

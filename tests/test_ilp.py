@@ -296,3 +296,19 @@ def test_fetch_lets_a_swap_in_serve_its_own_stage():
     assert ilp.solve(g, 4, swap=False).report["objective"] == 46.0
     assert any(st.fetch for st in s.stages)
     assert simulate(g, get("tflms")(g, 4)).time >= s.report["objective"]
+
+
+def test_garbage_solver_bound_is_replaced_by_the_lp_bound(monkeypatch):
+    # CBC interrupted in its root cut loop printed "Lower bound: 2.08e13" against an incumbent of
+    # 154; such a bound must never reach the report (it would read as a proof)
+    g = linear_chain(12)
+    monkeypatch.setattr(ilp, "_run", lambda *a, **k: {
+        "sol_status": 0, "objective": None, "bound": 2.0e13, "proven": False,
+        "result": "Stopped on time limit", "infeasible": False})
+    s = ilp.solve(g, 6, swap=False, time_limit=1)
+    r = s.report
+    assert r["status"] == "feasible"
+    assert r["bound_from"] == "lp_relaxation"
+    lp = lp_round.lower_bound(g, 6, swap=False)
+    assert r["lower_bound"] == pytest.approx(lp) and r["lower_bound"] < r["objective"]
+    assert r["objective"] == simulate(g, s).time
