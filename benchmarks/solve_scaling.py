@@ -26,9 +26,9 @@ from remat.solvers.baselines import checkpoint_all
 BASELINES = ["checkpoint-all", "chen-sqrtn", "chen-greedy", "griewank", "lp-round"]
 
 
-def graphs(quick: bool):
-    chains = [16, 32] if quick else [16, 32, 64, 128]
-    randoms = [50, 100] if quick else [50, 100, 200, 400]
+def graphs(quick: bool, chains: list[int] | None = None, randoms: list[int] | None = None):
+    chains = chains if chains is not None else ([16, 32] if quick else [16, 32, 64, 128])
+    randoms = randoms if randoms is not None else ([50, 100] if quick else [50, 100, 200, 400])
     for n in chains:
         yield f"chain{n}", linear_chain(n)
     for n in randoms:
@@ -43,12 +43,15 @@ def main(argv=None) -> int:
     ap.add_argument("--ratios", default="0.8,0.5,0.3")
     ap.add_argument("--swap", action="store_true", help="let the ILP swap (default: recompute only)")
     ap.add_argument("--out", default="benchmarks/out/solve_scaling.csv")
+    ap.add_argument("--chains", default=None, help="chain layer counts, e.g. 16,32,64,128")
+    ap.add_argument("--randoms", default=None, help="random DAG node counts, e.g. 50,100,200,400")
     args = ap.parse_args(argv)
     ratios = [float(x) for x in args.ratios.split(",")]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    for gname, g in graphs(args.quick):
+    ints = lambda text: [int(x) for x in text.split(",") if x] if text is not None else None  # noqa: E731
+    for gname, g in graphs(args.quick, ints(args.chains), ints(args.randoms)):
         full = simulate(g, checkpoint_all(g)).peak_bytes
         for ratio in ratios:
             budget = int(full * ratio)
