@@ -143,7 +143,7 @@ def quiet_torch_logs():
     for n in names:
         lg = logging.getLogger(n)
         saved.append((lg, lg.level))
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     try:
         import io
         import warnings

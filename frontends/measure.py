@@ -48,24 +48,28 @@ class StorageTracker(TorchDispatchMode):
     """Counts bytes of live storages allocated by ops while active.
 
     ``current`` and ``peak`` are bytes; ``events`` (when ``record_events``) is the list of
-    ``(key, +bytes | -bytes)`` allocations and releases in order, so a caller can recompute the
-    peak over a window, leaving out storages it learns about only later (`peak_between`).
-    Storages already alive when first seen as an op output (views of parameters, say) are
-    counted from that moment; pass them to `ignore` to leave them out.
+    ``(uid, +bytes | -bytes)`` allocations and releases in order, so a caller can recompute the
+    peak over a window, leaving out storages it learns about only later (`peak_between`).  A
+    uid names one storage for its whole life (addresses are reused once a storage dies; uids are
+    not); `uid` gives the uid of a live tensor's storage.  Storages already alive when first seen
+    as an op output (views of parameters, say) are counted from that moment; pass them to
+    `ignore` to leave them out.
     """
 
     def __init__(self, record_events: bool = False):
         super().__init__()
-        self.live: dict[int, int] = {}
+        self.live: dict[int, tuple[int, int]] = {}   # storage address -> (uid, bytes)
         self.current = 0
         self.peak = 0
         self.ignored: set[int] = set()
         self.record_events = record_events
         self.events: list[tuple[int, int]] = []
+        self._next_uid = 0
 
     # ---- bookkeeping -------------------------------------------------------------------
     def ignore(self, tensors: Iterable[Any]) -> None:
-        """Never count these tensors' storages (parameters, inputs: resident already)."""
+        """Never count these tensors' storages (parameters, inputs: resident already).  They
+        must stay alive while the tracker is used."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 self.ignored.add(storage_key(t))
@@ -77,13 +81,19 @@ class StorageTracker(TorchDispatchMode):
         """Position in the event list (for `peak_between`)."""
         return len(self.events)
 
-    def _release(self, key: int) -> None:
-        nb = self.live.pop(key, None)
-        if nb is None:
+    def uid(self, t: torch.Tensor) -> int | None:
+        """uid of a live tracked tensor's storage (None if not tracked)."""
+        entry = self.live.get(storage_key(t))
+        return entry[0] if entry else None
+
+    def _release(self, key: int, uid: int) -> None:
+        entry = self.live.get(key)
+        if entry is None or entry[0] != uid:
             return
-        self.current -= nb
+        del self.live[key]
+        self.current -= entry[1]
         if self.record_events:
-            self.events.append((key, -nb))
+            self.events.append((uid, -entry[1]))
 
     def track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -91,33 +101,32 @@ class StorageTracker(TorchDispatchMode):
         if key in self.live or key in self.ignored:
             return
         nb = int(st.nbytes())
-        self.live[key] = nb
+        uid = self._next_uid
+        self._next_uid += 1
+        self.live[key] = (uid, nb)
         self.current += nb
         if self.current > self.peak:
             self.peak = self.current
         if self.record_events:
-            self.events.append((key, nb))
-        weakref.finalize(st, self._release, key)
+            self.events.append((uid, nb))
+        weakref.finalize(st, self._release, key, uid)
 
     def peak_between(self, start: int, end: int | None = None, exclude: Iterable[int] = ()) -> int:
         """Peak, relative to the live bytes at event `start`, of the events in [start, end),
-        leaving out the storages in `exclude`."""
+        leaving out the storages whose uids are in `exclude`."""
         ex = set(exclude)
         cur = peak = 0
-        for key, delta in self.events[start:end]:
-            if key in ex:
+        for uid, delta in self.events[start:end]:
+            if uid in ex:
                 continue
             cur += delta
             peak = max(peak, cur)
         return peak
 
     def new_live(self, start: int) -> dict[int, int]:
-        """Storages allocated since event `start` that are still alive: {key: bytes}."""
-        out: dict[int, int] = {}
-        for key, delta in self.events[start:]:
-            if delta > 0 and key in self.live:
-                out[key] = delta
-        return out
+        """Storages allocated since event `start` that are still alive: {uid: bytes}."""
+        alive = {uid for uid, _ in self.live.values()}
+        return {uid: delta for uid, delta in self.events[start:] if delta > 0 and uid in alive}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -17,7 +17,7 @@ the stage writes into them), parameters are the model's own.  Per stage:
 """
 from __future__ import annotations
 
-import math
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -156,15 +156,28 @@ def _diff(outputs: list) -> list:
 
 
 def _backward(outs: list, grad_outs: list | None, leaves: list, params: list) -> list:
-    """Backward into the leaves' and parameters' ``.grad`` (parameters accumulate into their
-    existing gradients, as in a training loop that keeps them); returns the leaves' gradients."""
+    """Backward into the parameters' ``.grad`` (accumulating into their existing gradients, as
+    in a training loop that keeps them); returns the gradients that reach the leaves, taken by
+    tensor hooks before the leaves' own accumulation (which a real graph does not have: there
+    the gradient flows on into the producer's backward)."""
     targets = leaves + params
     if not outs or not targets:
         return [None] * len(leaves)
-    for leaf in leaves:
-        leaf.grad = None
-    torch.autograd.backward(outs, grad_outs, inputs=targets)
-    return [leaf.grad for leaf in leaves]
+    got: list = [None] * len(leaves)
+
+    def keep(i: int):
+        def hook(g: torch.Tensor) -> None:
+            got[i] = g
+        return hook
+    handles = [leaf.register_hook(keep(i)) for i, leaf in enumerate(leaves)]
+    try:
+        for leaf in leaves:
+            leaf.grad = None
+        torch.autograd.backward(outs, grad_outs, inputs=targets)
+    finally:
+        for h in handles:
+            h.remove()
+    return got
 
 
 def profile_runner(runner: Runner, *, device: torch.device, ignore: list, measure_time: bool, warmup: int,
@@ -186,7 +199,39 @@ def profile_runner(runner: Runner, *, device: torch.device, ignore: list, measur
     prof.differentiable = bool(diff)
     del args, leaves, outs, diff
 
-    # 2. a measured run: storages, saved tensors, flops
+    # 2. a measured run: storages, saved tensors, flops (no garbage collection in the middle:
+    # storages are released when their last reference goes, deterministically)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        prof = _measured_run(runner, prof, ignore, gouts, flops)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+    # 3. timed runs
+    if measure_time:
+        fw, bw = [], []
+        for r in range(max(0, warmup - 1) + repeats):
+            args, leaves, _ = runner.make_inputs()
+            sync()
+            t0 = timer.mark()
+            outs = runner.forward(args)
+            t1 = timer.mark()
+            diff = _diff(outs)
+            _backward(diff, gouts, leaves, runner.params)
+            t2 = timer.mark()
+            if r >= max(0, warmup - 1):
+                fw.append(timer.seconds(t0, t1))
+                bw.append(timer.seconds(t1, t2))
+            del args, leaves, outs, diff
+        prof.fwd_times, prof.bwd_times = fw, bw
+        prof.fwd_time = statistics.median(fw) if fw else 0.0
+        prof.bwd_time = statistics.median(bw) if bw and prof.differentiable else 0.0
+    return prof, plain
+
+
+def _measured_run(runner: Runner, prof: StageProfile, ignore: list, gouts: list | None, flops: bool) -> StageProfile:
     args, leaves, clones = runner.make_inputs()
     tracker = StorageTracker(record_events=True)
     tracker.ignore(ignore)
@@ -230,36 +275,22 @@ def profile_runner(runner: Runner, *, device: torch.device, ignore: list, measur
         with (counter_b or _null()):
             grads = _backward(diff, gouts, leaves, runner.params)
         m2 = tracker.mark()
+        # gradients w.r.t. the inputs: counted in full even when one passes an incoming
+        # gradient through (it then outlives the consumer's backward node that made it)
         in_keys = {storage_key(g): storage_bytes(g) for g in grads if g is not None}
         prof.grad_bytes = sum(in_keys.values())
+        new_grad_bytes = sum(b for k, b in in_keys.items() if k in tracker.live)
+        # the leaves' own accumulated copies are an artefact of running the stage alone
+        artefacts = {tracker.uid(leaf.grad) for leaf in leaves
+                     if leaf.grad is not None and storage_key(leaf.grad) not in in_keys} - {None}
         prof.param_grad_bytes = unique_bytes(p.grad for p in runner.params if p.grad is not None)
-        prof.bwd_workspace = max(0, tracker.peak_between(m1, m2) - prof.grad_bytes)
-        prof.bwd_alloc_bytes = sum(d for _, d in tracker.events[m1:m2] if d > 0)
+        prof.bwd_workspace = max(0, tracker.peak_between(m1, m2, exclude=artefacts) - new_grad_bytes)
+        prof.bwd_alloc_bytes = sum(d for k, d in tracker.events[m1:m2] if d > 0 and k not in artefacts)
         del grads, outs, diff
     prof.fwd_flops = counter_f.get_total_flops() if counter_f else 0
     prof.bwd_flops = counter_b.get_total_flops() if counter_b else 0
     del args, leaves, clones
-
-    # 3. timed runs
-    if measure_time:
-        fw, bw = [], []
-        for r in range(max(0, warmup - 1) + repeats):
-            args, leaves, _ = runner.make_inputs()
-            sync()
-            t0 = timer.mark()
-            outs = runner.forward(args)
-            t1 = timer.mark()
-            diff = _diff(outs)
-            _backward(diff, gouts, leaves, runner.params)
-            t2 = timer.mark()
-            if r >= max(0, warmup - 1):
-                fw.append(timer.seconds(t0, t1))
-                bw.append(timer.seconds(t1, t2))
-            del args, leaves, outs, diff
-        prof.fwd_times, prof.bwd_times = fw, bw
-        prof.fwd_time = statistics.median(fw) if fw else 0.0
-        prof.bwd_time = statistics.median(bw) if bw and prof.differentiable else 0.0
-    return prof, plain
+    return prof
 
 
 class _null:

@@ -303,7 +303,9 @@ def _profile_stages(cap: Captured, stages: list[Stage], args: tuple, loss_fn: Ca
             runner = _stage_runner(s, cap, env, rg)
             watched = [(i, env[i]) for i in s.inputs if cap.kinds.get(i) in ("buffer", "input")
                        and isinstance(env[i], torch.Tensor)]
-            versions = [t._version for _, t in watched]
+            # BatchNorm's kernel updates running statistics without bumping version counters:
+            # compare values too
+            versions = [(t._version, t.detach().clone()) for _, t in watched]
             try:
                 prof, plain = profile_runner(runner, ignore=statics, **kw)
             except Exception as e:  # noqa: BLE001
@@ -314,7 +316,8 @@ def _profile_stages(cap: Captured, stages: list[Stage], args: tuple, loss_fn: Ca
                 rg[o] = req
             prof.random = any(_random(n) for n in s.nodes)
             mutated.append([str(cap.targets[i]) if cap.kinds[i] == "buffer" else f"input {cap.targets[i]}"
-                            for (i, t), v in zip(watched, versions) if t._version != v])
+                            for (i, t), (v, before) in zip(watched, versions)
+                            if t._version != v or not torch.equal(t, before)])
             profs.append(prof)
             rng_flags.append(prof.random)
             bar.update()
