@@ -77,7 +77,9 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         (the sum of every floating-point tensor in the output).
     granularity: ``"module"`` (one node per call of a module at `depth`; see `stages`) or
         ``"op"`` (one node per ATen op).
-    profile: ``"measure"`` (times: warm-up, then the median of `repeats` runs, default 5) or
+    profile: ``"measure"`` (times: `warmup` runs, the first of which also gives the outputs the
+        next nodes consume, and a storage-counting run, then the median of `repeats` timed runs,
+        default 5; CUDA events on a GPU, perf_counter elsewhere) or
         ``"flops"`` (deterministic times from FLOP counts, `FlopsModel`).  Bytes are measured
         the same way in both.
     device: where to run (the model and inputs are moved there, in place for the model);
@@ -102,6 +104,8 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         repeats = DEFAULT_REPEATS
     if not isinstance(repeats, int) or repeats < 1:
         raise InvalidInputError(f"repeats: must be a whole number >= 1, got {repeats!r}")
+    if not isinstance(warmup, int) or warmup < 1:
+        raise InvalidInputError(f"warmup: must be a whole number >= 1, got {warmup!r}")
     if not isinstance(depth, int) or depth < 1:
         raise InvalidInputError(f"depth: must be a whole number >= 1, got {depth!r}")
     if capture_with not in CAPTURES:
