@@ -418,6 +418,7 @@ def best_baseline(graph: Graph, budget_bytes: int, bandwidth: float | None = Non
 _CBC_RESULT = re.compile(r"^Result - (.*)$", re.M)
 _CBC_OBJ = re.compile(r"^Objective value:\s*([-+0-9.eE]+)", re.M)
 _CBC_BOUND = re.compile(r"^Lower bound:\s*([-+0-9.eE]+)", re.M)
+_CBC_EARLY_END = re.compile(r"^(Problem is infeasible.*|Pre-processing says infeasible.*)$", re.M)
 
 
 def parse_cbc_log(text: str) -> dict:
@@ -431,6 +432,12 @@ def parse_cbc_log(text: str) -> dict:
     m = _CBC_BOUND.findall(text)
     if m:
         out["lower_bound"] = float(m[-1])
+    if "result" not in out:
+        # presolve can end the run before the summary: "Problem is infeasible - 0.00 seconds",
+        # "Pre-processing says infeasible or unbounded"
+        m = _CBC_EARLY_END.findall(text)
+        if m:
+            out["result"] = m[-1].strip()
     return out
 
 
@@ -566,7 +573,7 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
             # stopped by the gap tolerance: CBC's bound is within gap of the incumbent
             bound = obj / (1 + gap) if gap > 0 else obj
         return {"sol_status": m.prob.sol_status, "objective": obj, "bound": bound, "proven": proven,
-                "result": result, "infeasible": m.prob.status == pulp.LpStatusInfeasible or "infeasible" in result.lower()}
+                "result": result, "infeasible": "infeasible" in result.lower()}
     if backend == "highs":
         try:
             solver = pulp.HiGHS(msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None,
@@ -601,7 +608,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
           **_: object) -> Schedule:
     """Optimal schedule under `budget_bytes` (whole-step bytes, fixed bytes included).
 
-    `time_limit` bounds the MIP search (model building and the warm start come on top);
+    `time_limit` bounds the call: the MIP search gets what building the model and the warm start
+    left of it (at least 1 s; reading back the schedule and a fallback LP bound come on top);
     `progress(dict)` receives incumbent, lower bound and gap while CBC runs.
     """
     t0 = _time.perf_counter()
@@ -613,7 +621,9 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         set_warm_start(m, warm)
     log.info("ilp: %d variables, %d constraints, warm start %s", len(m.prob.variables()),
              len(m.prob.constraints), warm.report.get("name") if warm else None)
-    out = _run(m, backend, time_limit, gap, threads, warm is not None, msg, progress=progress)
+    # the time limit covers the whole call: what the warm start and the model took comes off it
+    search_limit = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
+    out = _run(m, backend, search_limit, gap, threads, warm is not None, msg, progress=progress)
     wall = _time.perf_counter() - t0
     report = {"name": "ilp", "backend": backend, "swap": swap, "time_limit": time_limit, "gap_limit": gap,
               "wall_time": wall, "memory_quantum": m.quantum, "variables": m.meta["variables"],
@@ -663,9 +673,18 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         log.warning("discarding the solver's lower bound %.6g (above the incumbent %.6g)", bound, objective)
         bound = None
     if bound is None:  # the solver gave none (crash, or stopped before its root bound): use the LP
-        bound = solve_relaxation(graph, budget_bytes, swap=swap, bandwidth=bandwidth,
-                                 recompute_backward=recompute_backward)[1]
-        report["bound_from"] = "lp_relaxation"
+        left = None if time_limit is None else time_limit - (_time.perf_counter() - t0)
+        bound = None
+        if left is None or left > 1.0:
+            try:
+                bound = solve_relaxation(graph, budget_bytes, swap=swap, bandwidth=bandwidth,
+                                         recompute_backward=recompute_backward, time_limit=left)[1]
+                report["bound_from"] = "lp_relaxation"
+            except SolverError:
+                bound = None
+        if bound is None:  # every node runs at least once: the no-recomputation time
+            bound = graph.total_time
+            report["bound_from"] = "no_recompute_time"
     if m.meta["quantised"]:
         # optimal and bound above hold for the rounded-up model; the exact problem's bound comes
         # from the relaxation with sizes rounded down
@@ -689,12 +708,13 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
 
 def solve_relaxation(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth: float | None = None,
                      recompute_backward: bool = False, round_down: bool = False,
-                     max_memory_units: int = 1_000_000) -> tuple[Model, float | None]:
+                     max_memory_units: int = 1_000_000,
+                     time_limit: float | None = None) -> tuple[Model, float | None]:
     """The LP relaxation and its optimal time in seconds (None if even the LP is infeasible)."""
     m = build_model(graph, budget_bytes, swap=swap, bandwidth=bandwidth, relax=True,
                     recompute_backward=recompute_backward, round_down=round_down,
                     max_memory_units=max_memory_units)
-    m.prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    m.prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit))
     status = pulp.LpStatus[m.prob.status]
     if status == "Infeasible":
         return m, None

@@ -305,7 +305,7 @@ def test_garbage_solver_bound_is_replaced_by_the_lp_bound(monkeypatch):
     monkeypatch.setattr(ilp, "_run", lambda *a, **k: {
         "sol_status": 0, "objective": None, "bound": 2.0e13, "proven": False,
         "result": "Stopped on time limit", "infeasible": False})
-    s = ilp.solve(g, 6, swap=False, time_limit=1)
+    s = ilp.solve(g, 6, swap=False, time_limit=30)
     r = s.report
     assert r["status"] == "feasible"
     assert r["bound_from"] == "lp_relaxation"
