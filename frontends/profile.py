@@ -108,14 +108,38 @@ class Timer:
         return b - a
 
 
-def run_nodes(nodes: list, env: dict) -> dict:
-    """Evaluate fx call_function nodes in order; `env` maps outside nodes to values."""
+def release_plan(nodes: list, keep: list) -> dict:
+    """{node: values to drop right after it runs}: each value of `nodes` goes after its last use
+    inside `nodes` (at once if it has none), unless it is in `keep`, so a stage's intermediates
+    are freed when eager PyTorch would free them."""
+    own = set(nodes)
+    keep_set = set(keep)
+    last: dict = {}
+    for n in nodes:
+        last[n] = n
+        for u in n.all_input_nodes:
+            if u in own:
+                last[u] = n
+    plan: dict = {}
+    for value, at in last.items():
+        if value not in keep_set:
+            plan.setdefault(at, []).append(value)
+    return plan
+
+
+def run_nodes(nodes: list, env: dict, release: dict | None = None) -> dict:
+    """Evaluate fx call_function nodes in order; `env` maps outside nodes to values.  With a
+    `release_plan`, intermediates are dropped after their last use."""
     local = dict(env)
     get = local.__getitem__
     for n in nodes:
         args = fx.node.map_arg(n.args, get)
         kwargs = fx.node.map_arg(n.kwargs, get)
         local[n] = n.target(*args, **kwargs)
+        del args, kwargs
+        if release:
+            for v in release.get(n, ()):
+                del local[v]
     return local
 
 
@@ -307,4 +331,4 @@ def _flop_counter():
 
 
 __all__ = ["FlopsModel", "StageProfile", "Runner", "profile_runner", "run_nodes", "is_random", "writes_of",
-           "Timer"]
+           "Timer", "release_plan"]

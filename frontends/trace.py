@@ -38,7 +38,7 @@ from remat.graph import DEFAULT_BANDWIDTH, Graph, Node
 
 from .capture import Captured, capture
 from .measure import unique_bytes
-from .profile import FlopsModel, Runner, StageProfile, is_random, profile_runner, run_nodes, writes_of
+from .profile import FlopsModel, Runner, StageProfile, is_random, profile_runner, release_plan, run_nodes, writes_of
 from .stages import Stage, cut
 
 log = logging.getLogger(__name__)
@@ -359,9 +359,10 @@ def _stage_runner(s: Stage, cap: Captured, env: dict, rg: dict) -> Runner:
         if i in written and kind != "buffer":
             cloned.append(k)
     inputs, outputs, nodes = list(s.inputs), list(s.outputs), list(s.nodes)
+    release = release_plan(nodes, outputs)
 
     def forward(args: list) -> list:
-        local = run_nodes(nodes, dict(zip(inputs, args)))
+        local = run_nodes(nodes, dict(zip(inputs, args)), release)
         return [local[o] for o in outputs]
     return Runner(forward, values, grad_inputs, cloned, params)
 
