@@ -207,61 +207,53 @@ def _backward(outs: list, grad_outs: list | None, leaves: list, params: list) ->
 def profile_runner(runner: Runner, *, device: torch.device, ignore: list, measure_time: bool, warmup: int,
                    repeats: int, grad_outputs: Callable[[list], list] | None = None,
                    flops: bool = False) -> tuple[StageProfile, list]:
-    """Profile one stage (see the module docstring).  Returns (profile, [(output of a plain run,
-    whether it requires grad)])."""
-    prof = StageProfile()
+    """Profile one stage (see the module docstring).  Returns (profile, [(output, whether it
+    requires grad)]) from the measured run, for the stages that consume them.
+
+    Runs: one measured run (storages, saved tensors, flops; it is also the first warm-up), then
+    ``warmup - 1`` more warm-up runs and ``repeats`` timed ones when `measure_time`."""
     timer = Timer(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    # 1. a plain run: the outputs downstream stages consume, the gradient buffers, a warm-up
-    args, leaves, _ = runner.make_inputs()
-    outs = runner.forward(args)
-    diff = _diff(outs)
-    gouts = grad_outputs(diff) if grad_outputs else [torch.ones_like(o) for o in diff]
-    _backward(diff, gouts, leaves, runner.params)
-    plain = [(o.detach(), o.requires_grad) if isinstance(o, torch.Tensor) else (o, False) for o in outs]
-    prof.differentiable = bool(diff)
-    del args, leaves, outs, diff
-
-    # 2. a measured run: storages, saved tensors, flops (no garbage collection in the middle:
-    # storages are released when their last reference goes, deterministically)
+    # no garbage collection in the middle of the measured run: storages are released when
+    # their last reference goes, deterministically
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        prof = _measured_run(runner, prof, ignore, gouts, flops)
+        prof, outs, gouts = _measured_run(runner, ignore, grad_outputs, flops)
     finally:
         if gc_was_enabled:
             gc.enable()
 
-    # 3. timed runs
     if measure_time:
         fw, bw = [], []
-        for r in range(max(0, warmup - 1) + repeats):
+        for r in range(warmup - 1 + repeats):
             args, leaves, _ = runner.make_inputs()
             sync()
             t0 = timer.mark()
-            outs = runner.forward(args)
+            o = runner.forward(args)
             t1 = timer.mark()
-            diff = _diff(outs)
+            diff = _diff(o)
             _backward(diff, gouts, leaves, runner.params)
             t2 = timer.mark()
-            if r >= max(0, warmup - 1):
+            if r >= warmup - 1:
                 fw.append(timer.seconds(t0, t1))
                 bw.append(timer.seconds(t1, t2))
-            del args, leaves, outs, diff
+            del args, leaves, o, diff
         prof.fwd_times, prof.bwd_times = fw, bw
         prof.fwd_time = statistics.median(fw) if fw else 0.0
         prof.bwd_time = statistics.median(bw) if bw and prof.differentiable else 0.0
-    return prof, plain
+    return prof, outs
 
 
-def _measured_run(runner: Runner, prof: StageProfile, ignore: list, gouts: list | None, flops: bool) -> StageProfile:
+def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], list] | None,
+                  flops: bool) -> tuple[StageProfile, list, list | None]:
+    prof = StageProfile()
     args, leaves, clones = runner.make_inputs()
     tracker = StorageTracker(record_events=True)
     tracker.ignore(ignore)
     tracker.ignore(runner.values)
     tracker.ignore(args)
-    tracker.ignore(gouts or [])
     input_keys = {}
     for k, a in enumerate(args):
         if isinstance(a, torch.Tensor):
@@ -284,6 +276,7 @@ def _measured_run(runner: Runner, prof: StageProfile, ignore: list, gouts: list 
             outs = runner.forward(args)
         m1 = tracker.mark()
         diff = _diff(outs)
+        prof.differentiable = bool(diff)
         out_keys = {storage_key(t): storage_bytes(t) for t in _tensors(outs)}
         own_out = {k: b for k, b in out_keys.items() if k not in excluded}
         own_saved = {k: b for k, b in saved.items() if k not in excluded and k not in own_out}
@@ -296,6 +289,11 @@ def _measured_run(runner: Runner, prof: StageProfile, ignore: list, gouts: list 
         prof.fwd_alloc_bytes = sum(d for _, d in tracker.events[m0:m1] if d > 0)
         saved_inputs = {input_keys[k] for k in saved if k in input_keys}
         prof.saves_input = [k in saved_inputs for k in range(len(runner.values))]
+        # the incoming gradients stand for the consumers' backward outputs: made here, then
+        # left out of this node's backward figures
+        gouts = grad_outputs(diff) if grad_outputs else [torch.ones_like(o) for o in diff]
+        gout_keys = {storage_key(g) for g in gouts or []}
+        mb = tracker.mark()
         with (counter_b or _null()):
             grads = _backward(diff, gouts, leaves, runner.params)
         m2 = tracker.mark()
@@ -303,18 +301,19 @@ def _measured_run(runner: Runner, prof: StageProfile, ignore: list, gouts: list 
         # gradient through (it then outlives the consumer's backward node that made it)
         in_keys = {storage_key(g): storage_bytes(g) for g in grads if g is not None}
         prof.grad_bytes = sum(in_keys.values())
-        new_grad_bytes = sum(b for k, b in in_keys.items() if k in tracker.live)
+        new_grad_bytes = sum(b for k, b in in_keys.items() if k in tracker.live and k not in gout_keys)
         # the leaves' own accumulated copies are an artefact of running the stage alone
         artefacts = {tracker.uid(leaf.grad) for leaf in leaves
                      if leaf.grad is not None and storage_key(leaf.grad) not in in_keys} - {None}
         prof.param_grad_bytes = unique_bytes(p.grad for p in runner.params if p.grad is not None)
-        prof.bwd_workspace = max(0, tracker.peak_between(m1, m2, exclude=artefacts) - new_grad_bytes)
-        prof.bwd_alloc_bytes = sum(d for k, d in tracker.events[m1:m2] if d > 0 and k not in artefacts)
+        prof.bwd_workspace = max(0, tracker.peak_between(mb, m2, exclude=artefacts) - new_grad_bytes)
+        prof.bwd_alloc_bytes = sum(d for k, d in tracker.events[mb:m2] if d > 0 and k not in artefacts)
+        plain = [(o.detach(), o.requires_grad) if isinstance(o, torch.Tensor) else (o, False) for o in outs]
         del grads, outs, diff
     prof.fwd_flops = counter_f.get_total_flops() if counter_f else 0
     prof.bwd_flops = counter_b.get_total_flops() if counter_b else 0
     del args, leaves, clones
-    return prof
+    return prof, plain, gouts
 
 
 class _null:
