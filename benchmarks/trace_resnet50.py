@@ -5,7 +5,7 @@ Reports the wall time of `remat.trace` (capture + profile + graph) and the share
 unless --no-peak, the peak of one real training step measured the same way as
 benchmarks/trace_peaks.py (gradients kept).  Writes one CSV row.
 
-    python benchmarks/trace_resnet50.py                 # batch 8, 224x224, 2 threads, 5 repeats
+    python benchmarks/trace_resnet50.py                 # batch 8, 224x224, 2 threads, remat's repeats
     python benchmarks/trace_resnet50.py --threads 2 --batch 8 --repeats 3
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     ap.add_argument("--granularity", choices=("module", "op"), default="module")
     ap.add_argument("--profile", choices=("measure", "flops"), default="measure")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per node (default: remat's, 5)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per node (default: remat's, 3 on a CPU)")
     ap.add_argument("--no-peak", action="store_true", help="skip the real training step")
     ap.add_argument("--out", default="benchmarks/out/trace_resnet50.csv")
     args = ap.parse_args(argv)

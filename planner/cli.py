@@ -349,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", choices=("measure", "flops"), default="measure",
                    help="measured times (default) or deterministic FLOP-based times")
     p.add_argument("--device", default=None, help="cpu or cuda (default: where the model is)")
-    p.add_argument("--repeats", type=_positive_int, default=None, help="timed runs per node (default 5 on CUDA, 3 on a CPU)")
+    p.add_argument("--repeats", type=_positive_int, default=None,
+                   help="timed runs per node (default 5 on CUDA, 3 on a CPU)")
     p.add_argument("--optimizer", default=None, help="count optimizer state as fixed bytes: sgd, sgd-momentum, "
                    "adam, adamw, rmsprop, adagrad")
     p.add_argument("--capture", choices=("auto", "export", "eager"), default="auto",
