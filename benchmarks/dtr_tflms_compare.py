@@ -2,13 +2,14 @@
 
 Overhead = simulated time / one pass with no recomputation (graph.total_time), at budgets of
 0.8x, 0.5x and 0.3x the checkpoint-all peak, on linear_chain(32), unet(3) and
-random_layered(30, seed=0) (the zoo models join when the frontends land).  Solvers: the ILP with
+random_layered(30, seed=0), and traced zoo models with ``--zoo resnet18,gpt2`` (flops profile).  Solvers: the ILP with
 swap off and with swap on (CBC, time limit per solve), the DTR heuristics, TFLMS (auto-tuned)
 and chen-greedy.  Every schedule is checked in the simulator.  Prints a markdown table and
 writes a CSV.
 
     python benchmarks/dtr_tflms_compare.py
     python benchmarks/dtr_tflms_compare.py --time-limit 30 --out benchmarks/out/dtr_tflms_compare.csv
+    python benchmarks/dtr_tflms_compare.py --zoo resnet18,gpt2 --no-synthetic
 
 Cells: overhead (ILP: ``*`` proven optimal, ``~`` time-limited incumbent); ``OOM`` = DTR found
 nothing evictable; ``thrash`` = DTR passed 2x the baseline compute; ``inf`` = the strategy found
@@ -35,10 +36,24 @@ SOLVERS = [("ilp", "ilp", {"swap": False}), ("ilp+swap", "ilp", {"swap": True}),
 COLUMNS = ["graph", "nodes", "ratio", "budget", "solver", "status", "overhead", "peak", "reason", "wall"]
 
 
-def graphs():
-    yield "linear_chain(32)", linear_chain(32)
-    yield "unet(3)", unet(3)
-    yield "random_layered(30)", random_layered(30, seed=0)
+def graphs(zoo_names: list[str], synthetic: bool = True) -> list:
+    out = []
+    if synthetic:
+        out += [("linear_chain(32)", linear_chain(32)), ("unet(3)", unet(3)),
+                ("random_layered(30)", random_layered(30, seed=0))]
+    else:
+        out += [("linear_chain(32)", linear_chain(32))]
+    if zoo_names:
+        import torch
+        import remat
+        from remat.frontends import zoo
+        torch.manual_seed(0)
+        for name in zoo_names:
+            model, inputs = zoo.get(name)
+            # deterministic costs; the host link at 1 byte per FLOP-time unit is meaningless for
+            # traced graphs, so keep the traced bandwidth (16 GB/s default on a CPU)
+            out.append((f"{name} (zoo, small)", remat.trace(model, inputs, profile="flops")))
+    return out
 
 
 def run_one(g, budget: int, solver: str, opts: dict, time_limit: float) -> dict:
@@ -75,12 +90,15 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=30.0, help="seconds per ILP solve (default 30)")
     ap.add_argument("--ratios", default="0.8,0.5,0.3")
     ap.add_argument("--out", default="benchmarks/out/dtr_tflms_compare.csv")
+    ap.add_argument("--zoo", default="", help="zoo models to trace and add, e.g. resnet18,gpt2")
+    ap.add_argument("--no-synthetic", action="store_true", help="only the chain and the zoo models")
     args = ap.parse_args(argv)
+    glist = graphs([z for z in args.zoo.split(",") if z], not args.no_synthetic)
     ratios = [float(x) for x in args.ratios.split(",")]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    for gname, g in graphs():
+    for gname, g in glist:
         full = simulate(g, checkpoint_all(g)).peak_bytes
         for ratio in ratios:
             budget = int(full * ratio)
@@ -94,7 +112,7 @@ def main(argv=None) -> int:
         w.writeheader()
         for r in rows:
             w.writerow({k: ("" if r.get(k) is None else r[k]) for k in COLUMNS})
-    keys = [(gname, ratio) for gname, _ in graphs() for ratio in ratios]
+    keys = [(gname, ratio) for gname, _ in glist for ratio in ratios]
     by = {(r["graph"], r["ratio"], r["solver"]): r for r in rows}
     head = ["solver"] + [f"{gname} {ratio}x" for gname, ratio in keys]
     print("| " + " | ".join(head) + " |")

@@ -218,3 +218,63 @@ def ops_from_stages(graph: Graph, stages: Sequence[Stage]) -> list[Op]:
         for i in sorted(resident - nxt):
             ops.append(Op("free", i, t))
     return ops
+
+
+def stages_from_ops(graph: Graph, ops: Sequence[Op]) -> list[Stage] | None:
+    """Frontier-advancing stages for a compute/free op list that computes nodes for the first
+    time in id order (as DTR's replay does), or None if it does not fit that form.
+
+    Stage t holds the ops after node t-1's first compute up to node t's first compute (the
+    recomputations that lead to it), plus the frees that follow it.  S[t] is what is resident
+    when the stage starts, less what the stage frees before reading it (dead weight the stage
+    model would otherwise carry to the stage end).  The result is an ordinary stage schedule;
+    whether it still fits a budget is for the simulator to say.
+    """
+    if any(o.op not in ("compute", "free") for o in ops):
+        return None
+    preds = graph.preds
+    seen: set[int] = set()
+    segments: list[list[Op]] = []
+    cur: list[Op] = []
+    nxt = 0
+    for o in ops:
+        if o.op == "compute" and o.node not in seen:
+            if o.node != nxt:
+                return None
+            seen.add(o.node)
+            nxt += 1
+            cur.append(o)
+            segments.append(cur)
+            cur = []
+        else:
+            cur.append(o)
+    if nxt != graph.n:
+        return None
+    stage_ops: list[list[Op]] = [list(seg) for seg in segments]
+    # frees right after a first compute belong to that stage, not to the next one
+    for t in range(1, graph.n):
+        k = 0
+        while k < len(stage_ops[t]) and stage_ops[t][k].op == "free":
+            k += 1
+        stage_ops[t - 1].extend(stage_ops[t][:k])
+        stage_ops[t] = stage_ops[t][k:]
+    if cur:
+        stage_ops[-1].extend(cur)
+    stages: list[Stage] = []
+    resident: set[int] = set()
+    for t in range(graph.n):
+        start = set(resident)
+        read: set[int] = set()
+        dead: set[int] = set()
+        comp: list[int] = []
+        for o in stage_ops[t]:
+            if o.op == "compute":
+                read.update(preds[o.node])
+                comp.append(o.node)
+                resident.add(o.node)
+            else:
+                if o.node in start and o.node not in read:
+                    dead.add(o.node)
+                resident.discard(o.node)
+        stages.append(Stage(sorted(set(comp)), sorted(start - dead)))
+    return stages

@@ -393,11 +393,14 @@ def prune_waste(graph: Graph, schedule: Schedule) -> Schedule:
                                               sorted(SF[t])) for t in range(n)])
 
 
-_WARM_START_SOLVERS = ("checkpoint-all", "chen-greedy", "griewank", "chen-sqrtn", "checkpoint-last-node")
+_WARM_START_SOLVERS = ("checkpoint-all", "chen-greedy", "griewank", "chen-sqrtn", "checkpoint-last-node",
+                       "dtr-eq", "dtr")
 
 
 def best_baseline(graph: Graph, budget_bytes: int, bandwidth: float | None = None) -> Schedule | None:
-    """The fastest baseline schedule (pruned of waste) that fits, or None."""
+    """The fastest baseline schedule (pruned of waste) that fits, or None.  DTR's op lists are
+    cast into stages (`stages_from_ops`) so that they can seed the ILP too."""
+    from remat.schedule import stages_from_ops
     from . import get, names
     best, best_time = None, math.inf
     for nm in _WARM_START_SOLVERS:
@@ -407,6 +410,11 @@ def best_baseline(graph: Graph, budget_bytes: int, bandwidth: float | None = Non
             sch = get(nm)(graph, budget_bytes)
         except (InfeasibleBudgetError, InvalidInputError):
             continue
+        if sch.stages is None:
+            stages = stages_from_ops(graph, sch.ops)
+            if stages is None:
+                continue
+            sch = Schedule.from_stages(graph, stages)
         sch = prune_waste(graph, sch)
         res = simulate(graph, sch, bandwidth)
         if res.valid and res.peak_bytes <= budget_bytes and res.time < best_time:

@@ -172,3 +172,32 @@ def test_stage_matrices():
     assert R.tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
     assert S.tolist() == [[0, 0, 0], [1, 0, 0], [1, 1, 0]]
     assert SO.sum() == 0 and SI.sum() == 0
+
+
+@pytest.mark.parametrize("g", [linear_chain(16), unet(2), random_layered(12, seed=0)], ids=str)
+def test_stages_from_dtr_ops_keep_its_time_and_fit(g):
+    from remat.schedule import stages_from_ops
+    from remat.solvers import get
+    from remat.solvers.baselines import checkpoint_all
+    full = simulate(g, checkpoint_all(g)).peak_bytes
+    cast = 0
+    for ratio in (0.9, 0.7, 0.5):
+        budget = int(full * ratio)
+        try:
+            d = get("dtr-eq")(g, budget)
+        except Exception:
+            continue
+        st = stages_from_ops(g, d.ops)
+        assert st is not None
+        staged = simulate(g, Schedule.from_stages(g, st))
+        assert staged.valid and staged.peak_bytes <= budget
+        assert staged.time == simulate(g, d).time
+        cast += 1
+    assert cast >= 1
+
+
+def test_stages_from_ops_rejects_what_it_cannot_stage():
+    from remat.schedule import stages_from_ops
+    g = tiny()
+    assert stages_from_ops(g, [Op("compute", 1), Op("compute", 0), Op("compute", 2)]) is None
+    assert stages_from_ops(g, [Op("compute", 0), Op("swap_out", 0)]) is None

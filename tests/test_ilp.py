@@ -312,3 +312,12 @@ def test_garbage_solver_bound_is_replaced_by_the_lp_bound(monkeypatch):
     lp = lp_round.lower_bound(g, 6, swap=False)
     assert r["lower_bound"] == pytest.approx(lp) and r["lower_bound"] < r["objective"]
     assert r["objective"] == simulate(g, s).time
+
+
+def test_dtr_seeds_the_ilp_so_it_is_never_worse_than_dtr():
+    # chain32 at 10 units: time-limited CBC alone stopped at 125; DTR finds 122
+    g = linear_chain(32)
+    s = ilp.solve(g, 10, swap=False, time_limit=5)
+    d = simulate(g, get("dtr-eq")(g, 10)).time
+    assert s.report["objective"] <= d
+    assert s.report["objective"] <= 122.0
