@@ -25,7 +25,8 @@ import torch
 
 import remat
 from remat.budget import format_bytes
-from remat.frontends import default_loss, measure_peak, trace, zoo
+from remat.frontends import trace, zoo
+from remat.frontends.measure import plain_step_peaks
 from remat.solvers import get
 
 MEDIUM = {
@@ -38,22 +39,6 @@ MEDIUM = {
 }
 COLUMNS = ("model", "granularity", "nodes", "fixed_bytes", "predicted_peak", "real_peak_grads_kept",
            "error_kept", "real_peak_set_to_none", "error_set_to_none", "trace_seconds")
-
-
-def real_peaks(model, inputs) -> tuple[int, int]:
-    def step():
-        out = model(*inputs)
-        default_loss(out, *inputs).backward()
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    resident = list(model.parameters()) + list(model.buffers()) + list(inputs)
-    step()
-    model.zero_grad(set_to_none=False)
-    kept = measure_peak(step, resident=resident + [p.grad for p in model.parameters()])
-    model.zero_grad(set_to_none=True)
-    freed = measure_peak(step, resident=resident)
-    model.zero_grad(set_to_none=True)
-    model.load_state_dict(state)
-    return kept, freed
 
 
 def main(argv=None) -> int:
@@ -73,7 +58,7 @@ def main(argv=None) -> int:
         model, inputs = zoo.get(name, **(MEDIUM[name] if args.medium else {}))
         g = trace(model, inputs, name=name, granularity=args.granularity, profile=args.profile)
         predicted = remat.simulate(g, get("checkpoint-all")(g)).peak_bytes
-        kept, freed = real_peaks(model, inputs)
+        kept, freed = plain_step_peaks(model, inputs)
         row = {"model": name, "granularity": args.granularity, "nodes": g.n, "fixed_bytes": g.fixed_bytes,
                "predicted_peak": predicted, "real_peak_grads_kept": kept, "error_kept": predicted / kept - 1,
                "real_peak_set_to_none": freed, "error_set_to_none": predicted / freed - 1,

@@ -158,3 +158,25 @@ def measure_peak(step_fn: Callable[[], Any], resident: Iterable[Any] = (), devic
     with tracker:
         step_fn()
     return base + tracker.peak
+
+
+def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | None = None) -> tuple[int, int]:
+    """Peak bytes of one plain training step (forward, loss, backward) of `model` on `inputs`:
+    (with the gradients kept from a previous step, as `zero_grad(set_to_none=False)` leaves
+    them; with them freed, PyTorch's default `set_to_none=True`).  The model's state is
+    restored afterwards; its gradients are left as None."""
+    if loss_fn is None:
+        from .trace import default_loss as loss_fn
+
+    def step() -> None:
+        loss_fn(model(*inputs), *inputs).backward()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    resident = list(model.parameters()) + list(model.buffers()) + list(inputs)
+    step()
+    model.zero_grad(set_to_none=False)
+    kept = measure_peak(step, resident=resident + [p.grad for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    freed = measure_peak(step, resident=resident)
+    model.zero_grad(set_to_none=True)
+    model.load_state_dict(state)
+    return kept, freed

@@ -14,9 +14,9 @@ import torch.nn as nn  # noqa: E402
 import remat  # noqa: E402
 from remat.cli import main  # noqa: E402
 from remat.errors import InvalidInputError  # noqa: E402
-from remat.frontends import default_loss, measure_peak, trace, zoo  # noqa: E402
+from remat.frontends import measure_peak, trace, zoo  # noqa: E402
 from remat.frontends.capture import CaptureError  # noqa: E402
-from remat.frontends.measure import storage_key, unique_bytes  # noqa: E402
+from remat.frontends.measure import plain_step_peaks, storage_key, unique_bytes  # noqa: E402
 from remat.graph import Graph  # noqa: E402
 from remat.solvers import get as solver  # noqa: E402
 
@@ -289,23 +289,8 @@ def test_zoo_graph_validates_and_plans(name):
 
 
 def _real_peaks(model, inputs):
-    """Peak of one plain training step (forward, default loss, backward) on the CPU: with the
-    gradients kept from the previous step (zero_grad(set_to_none=False)), and with them freed
-    (set_to_none=True, PyTorch's default)."""
-    def step():
-        out = model(*inputs)
-        loss = default_loss(out, *inputs)
-        loss.backward()
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    resident = list(model.parameters()) + list(model.buffers()) + list(inputs)
-    step()
-    model.zero_grad(set_to_none=False)
-    kept = measure_peak(step, resident=resident + [p.grad for p in model.parameters()])
-    model.zero_grad(set_to_none=True)
-    freed = measure_peak(step, resident=resident)
-    model.zero_grad(set_to_none=True)
-    model.load_state_dict(state)
-    return kept, freed
+    """Peak of one plain training step, gradients kept and freed (frontends.measure)."""
+    return plain_step_peaks(model, inputs)
 
 
 @pytest.mark.parametrize("name", zoo.names())
