@@ -290,7 +290,10 @@ def sweep(graph: Graph, budgets: Sequence[int], solvers: Sequence[str], **option
 
     A budget a solver cannot fit gives a row with status ``"infeasible"``; any other solver failure
     (`SolverError`, e.g. a time limit with no incumbent, or an exception from the solver) is logged
-    as a warning and gives ``"error"``.  Neither stops the sweep; `InvalidInputError` does.  ``options`` go to every solver (see `plan`).
+    as a warning and gives ``"error"``; a solver that rejects the graph or the options
+    (`InvalidInputError`: griewank on a non-chain, tflms without swap) gives ``"n/a"``.  None of
+    them stops the sweep; unknown solver names fail before any solving.  ``options`` go to every
+    solver (see `plan`).
     """
     from remat import solvers as registry
     for name in solvers:  # unknown names fail before any solving
@@ -305,8 +308,10 @@ def sweep(graph: Graph, budgets: Sequence[int], solvers: Sequence[str], **option
                 schedule, res, wall = _solve(graph, int(budget), name, explain=False, **options)
             except InfeasibleBudgetError:
                 row.update(status="infeasible", wall_time=time.perf_counter() - t0)
-            except InvalidInputError:
-                raise  # a bad option fails every pair alike
+            except InvalidInputError as e:
+                # the solver does not apply here (griewank on a non-chain, tflms without swap)
+                log.warning("sweep: %s does not apply: %s", name, e)
+                row.update(status="n/a", wall_time=time.perf_counter() - t0)
             except Exception as e:  # SolverError, or a solver bug: record it, keep sweeping
                 log.warning("sweep: %s at budget %s failed: %s%s", name, format_bytes(budget),
                             "" if isinstance(e, RematError) else f"{type(e).__name__}: ", e)

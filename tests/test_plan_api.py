@@ -340,3 +340,11 @@ def test_sweep_records_solver_failures(chain8, monkeypatch, caplog):
     rows = list(sweep(chain8, [10], ["broken", "checkpoint-all"]))
     assert [r["status"] for r in rows] == ["error", "heuristic"]
     assert "backend crashed" in caplog.text
+
+
+def test_sweep_records_solvers_that_do_not_apply():
+    from remat.generators import unet
+    from remat.plan import sweep
+    g = unet(2)
+    rows = list(sweep(g, [10**6], ["griewank", "checkpoint-all"]))
+    assert [r["status"] for r in rows] == ["n/a", "heuristic"]
