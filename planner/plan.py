@@ -171,6 +171,7 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
     """
     if not isinstance(graph, Graph):
         graph = Graph.load(graph)
+    graph = _with_bandwidth(graph, options)
     budget_bytes = parse_budget(budget, graph)
     schedule, res, wall = _solve(graph, budget_bytes, solver, swap=swap, time_limit=time_limit, gap=gap,
                                  **options)
@@ -178,6 +179,17 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
                            {"swap": swap, "time_limit": time_limit, "gap": gap, **options})
     schedule.report = dict(report)
     return Plan(graph, schedule, budget_bytes, report, predicted_from(graph, res))
+
+
+def _with_bandwidth(graph: Graph, options: dict) -> Graph:
+    """A `bandwidth=` option becomes the graph's own (meta, outside the hash), so the solver,
+    the predicted figures and a later `remat simulate` of the saved plan all use the same one."""
+    bw = options.pop("bandwidth", None)
+    if bw is None:
+        return graph
+    if not float(bw) > 0:
+        raise InvalidInputError(f"bandwidth: must be > 0 bytes/s, got {bw}")
+    return Graph(graph.nodes, graph.edges, graph.fixed_bytes, {**graph.meta, "bandwidth": float(bw)})
 
 
 def _solve(graph: Graph, budget_bytes: int, solver: str, explain: bool = True,
@@ -296,6 +308,7 @@ def sweep(graph: Graph, budgets: Sequence[int], solvers: Sequence[str], **option
     solver (see `plan`).
     """
     from remat import solvers as registry
+    graph = _with_bandwidth(graph, options)
     for name in solvers:  # unknown names fail before any solving
         registry.get(name)
     base = baseline_peak(graph)

@@ -348,3 +348,13 @@ def test_sweep_records_solvers_that_do_not_apply():
     g = unet(2)
     rows = list(sweep(g, [10**6], ["griewank", "checkpoint-all"]))
     assert [r["status"] for r in rows] == ["n/a", "heuristic"]
+
+
+def test_bandwidth_option_is_the_plans_own():
+    # the solver, the prediction and a re-simulation of the saved plan use one bandwidth
+    import remat
+    from remat.generators import linear_chain
+    g = linear_chain(8, bandwidth=1.0)
+    p = remat.plan(g, 6, solver="ilp", swap=True, bandwidth=4.0, time_limit=30)
+    assert p.graph.bandwidth == 4.0 and p.graph_hash == g.content_hash()
+    assert p.predicted["time"] == remat.simulate(p.graph, p.schedule).time == p.solver["objective"]
