@@ -321,3 +321,15 @@ def test_dtr_seeds_the_ilp_so_it_is_never_worse_than_dtr():
     d = simulate(g, get("dtr-eq")(g, 10)).time
     assert s.report["objective"] <= d
     assert s.report["objective"] <= 122.0
+
+
+def test_swap_ilp_starts_from_the_recompute_only_optimum():
+    # the swap model is never worse than recompute-only, even time-limited, and stops early once
+    # the recompute-only optimum already costs nothing extra
+    g = linear_chain(12, bandwidth=0.25)
+    plain = ilp.solve(g, 8, swap=False, time_limit=30)
+    with_swap = ilp.solve(g, 8, swap=True, time_limit=6)
+    assert with_swap.report["objective"] <= plain.report["objective"] + 1e-9
+    free = ilp.solve(g, simulate(g, checkpoint_all(g)).peak_bytes, swap=True, time_limit=30)
+    assert free.report["status"] == "optimal" and free.report["objective"] == g.total_time
+    assert "recompute-only optimum" in free.report["solver_result"]
