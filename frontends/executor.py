@@ -1,0 +1,404 @@
+"""``remat.apply(model, plan, example_inputs)``: run a training step as a plan says.
+
+The model is captured and cut into stages exactly as `remat.trace` did (granularity, depth and
+capture method from ``plan.graph.meta``), and the stage names, count and order must equal the
+plan's forward nodes.  ``loss = planned(*inputs); loss.backward()`` then trains as plain autograd
+would, but runs the plan's ops (DESIGN.md, "op semantics"):
+
+* ``compute v`` (forward node): run stage v's ATen ops with grad enabled on *detached* inputs,
+  so what autograd saves lives in v's own small graph;
+* ``free v``: drop the references to v's outputs (and v's graph when it holds tensors of its
+  own; a graph that only refers to its inputs and outputs is kept for v's backward);
+* ``compute v`` again (recompute): rerun stage v with the RNG state of its first compute, and
+  with copies of the buffers it writes (BatchNorm running statistics are updated once a step);
+* ``compute loss``: the loss function on the model's output, forward in the step's forward,
+  backward first thing in the step's backward;
+* ``compute b_v`` (backward node): ``torch.autograd.grad`` through v's graph with the incoming
+  gradients of v's outputs; parameter gradients are accumulated into ``.grad`` as plain
+  autograd does (``+=`` into an existing gradient), input gradients feed the producers.
+
+What makes ``free`` real: a saved tensor that is one of the stage's inputs or outputs is
+packed (``saved_tensors_hooks``) as a reference to that value and looked up when the backward
+unpacks it, in whatever copy is resident then (the first one, or a recomputation); and the
+detached input leaves give up their storage once the stage has run.  So a stage's graph holds
+only what autograd saved inside it, which is what the plan counts as its bytes.
+
+The whole step is one ``torch.autograd.Function``: its forward runs the ops up to the loss, its
+backward the rest.  Swap ops are not executed yet (NotImplementedError).  In eval mode or under
+``torch.no_grad()`` the plain model runs.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from remat.errors import InvalidInputError
+from remat.plan import Plan
+
+from .capture import EAGER, capture
+from .profile import release_plan, run_nodes, writes_of
+from .stages import cut
+from .trace import _split_inputs, default_loss
+
+log = logging.getLogger(__name__)
+
+SWAP_MESSAGE = "remat.apply: swap ops (swap_out/swap_in/wait) are not executed yet; plan with --no-swap"
+
+
+@dataclass
+class _StageFn:
+    """One forward node: how to run it on values looked up by fx node."""
+    name: str
+    inputs: list                 # fx nodes read from outside
+    outputs: list                # fx nodes (or, for the loss, ["loss"])
+    run: Callable[[list], list]  # inputs' values -> outputs' values
+    grad_inputs: set             # positions of activation inputs whose gradient is wanted
+    cloned: set                  # positions written in place (cloned before the run)
+    buffers: list                # positions of buffers the stage writes (copied on recompute)
+    random: bool = False
+    params: list = field(default_factory=list)
+
+
+@dataclass
+class _Live:
+    """A computed forward node: its outputs (until freed) and its graph (until its backward)."""
+    outputs: dict | None                     # fx node -> tensor
+    edges: list                              # (fx node, GradientEdge) of outputs requiring grad
+    owns_tensors: bool                       # graph holds saved tensors of its own
+
+
+class _Saved:
+    """A tensor autograd saved; `refer` turns it into a reference to a stage input or output."""
+    __slots__ = ("t", "node", "size", "stride", "offset")
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.node = t, None
+
+    def refer(self, node: Any) -> None:
+        t = self.t
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.node, self.t = node, None
+
+
+class PlannedStep(torch.nn.Module):
+    """``planned(*inputs) -> loss`` that runs `plan`'s ops; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, example_inputs: Any, loss_fn: Callable | None = None,
+                 example_kwargs: dict | None = None):
+        super().__init__()
+        self.model = model
+        self.plan = plan
+        self.loss_fn = loss_fn or default_loss
+        graph = plan.graph
+        bad = sorted({o.op for o in plan.schedule.ops if o.op not in ("compute", "free")})
+        if bad:
+            raise NotImplementedError(SWAP_MESSAGE)
+        meta = graph.meta
+        granularity = meta.get("granularity", "module")
+        depth = meta.get("depth") or 1
+        mode = "eager" if meta.get("capture") == EAGER else "auto"
+        args, kwargs = _split_inputs(example_inputs, example_kwargs)
+        shapes = [list(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if meta.get("input_shapes") is not None and meta["input_shapes"] != shapes:
+            raise InvalidInputError(f"remat.apply: the plan was made for inputs of shapes {meta['input_shapes']}, "
+                                    f"these have {shapes}: the plan belongs to another model/batch shape; re-plan")
+        snapshot = [(b, b.detach().clone()) for b in model.buffers()]
+        try:
+            with torch.random.fork_rng(devices=[]):
+                cap = capture(model, args, kwargs, mode=mode)
+        finally:
+            with torch.no_grad():
+                for b, saved in snapshot:
+                    b.copy_(saved)
+        stages = cut(cap, model, granularity, depth)
+        fwd = [v for v in graph.nodes if v.kind == "forward"]
+        names = [s.name for s in stages]
+        if names != [v.name for v in fwd]:
+            diff = next((k for k, (a, b) in enumerate(zip(names, [v.name for v in fwd])) if a != b),
+                        min(len(names), len(fwd)))
+            raise InvalidInputError(
+                f"remat.apply: the model cuts into {len(names)} stages, the plan has {len(fwd)} forward nodes "
+                f"(first difference at #{diff}: {names[diff] if diff < len(names) else None!r} vs "
+                f"{fwd[diff].name if diff < len(fwd) else None!r}): the plan belongs to another model/batch "
+                "shape; re-plan (remat.trace, remat.plan)")
+        self._cap = cap
+        self._shapes = shapes
+        self._m = len(stages)
+        self._loss_id = next(v.id for v in graph.nodes if v.kind == "loss")
+        self._fwd_of = {v.id: v.extra["forward"] for v in graph.nodes if v.kind == "backward"}
+        if self._loss_id != self._m or any(v.id != k for k, v in enumerate(fwd)):
+            raise InvalidInputError("remat.apply: the plan's graph does not number forward nodes 0..m-1 and "
+                                    "the loss m, as remat.trace does; re-trace the model")
+        self._producer = {o: j for j, s in enumerate(stages) for o in s.outputs}
+        self._fns = [self._stage_fn(s, fwd[j].extra.get("random", False), bool(fwd[j].extra.get("mutates")))
+                     for j, s in enumerate(stages)]
+        self._fns.append(self._loss_fn_stage())
+        ops = plan.schedule.ops
+        split = next(k for k, o in enumerate(ops) if o.op == "compute" and o.node == self._loss_id)
+        self._fwd_ops, self._bwd_ops = ops[:split + 1], ops[split + 1:]
+
+    # ---- stages ---------------------------------------------------------------------------
+    def _stage_fn(self, s, random: bool, mutates: bool) -> _StageFn:
+        cap = self._cap
+        written = {w for n in s.nodes for w in writes_of(n)}
+        grad_inputs, cloned, buffers, params = set(), set(), [], []
+        for k, i in enumerate(s.inputs):
+            kind = cap.kinds.get(i)
+            if kind is None:
+                grad_inputs.add(k)  # kept only if the value requires grad at run time
+            if kind == "buffer" and mutates:
+                # the trace saw this stage change a buffer (aten.batch_norm's schema does not say so)
+                buffers.append(k)
+            elif i in written and kind != "buffer":
+                cloned.add(k)
+            if kind == "parameter":
+                params.append(k)
+        nodes, outputs = list(s.nodes), list(s.outputs)
+        release = release_plan(nodes, outputs)
+        inputs = list(s.inputs)
+
+        def run(values: list) -> list:
+            local = run_nodes(nodes, dict(zip(inputs, values)), release)
+            return [local[o] for o in outputs]
+        return _StageFn(s.name, inputs, outputs, run, grad_inputs, cloned, buffers, random, params)
+
+    def _loss_fn_stage(self) -> _StageFn:
+        cap = self._cap
+        out_nodes = [o for o in cap.outputs if isinstance(o, fx.Node)]
+
+        def run(values: list) -> list:
+            it = iter(values)
+            flat = [next(it) if isinstance(o, fx.Node) else o for o in cap.outputs]
+            loss = self.loss_fn(tree_unflatten(flat, cap.out_spec), *self._args)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise InvalidInputError("loss_fn must return a scalar tensor")
+            return [loss]
+        return _StageFn("loss", out_nodes, ["loss"], run, set(range(len(out_nodes))), set(), [])
+
+    # ---- the step -------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not self.model.training:
+            return self.loss_fn(self.model(*args, **kwargs), *args)
+        flat = [t for t in tree_flatten((args, kwargs))[0]]
+        shapes = [list(t.shape) for t in flat if isinstance(t, torch.Tensor)]
+        if shapes != self._shapes:
+            raise InvalidInputError(f"remat.apply: the plan was made for inputs of shapes {self._shapes}, got "
+                                    f"{shapes}; re-plan for this batch shape")
+        env = {}
+        for node, kind in self._cap.kinds.items():
+            env[node] = flat[self._cap.targets[node]] if kind == "input" else self._cap.values[node]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise InvalidInputError("remat.apply: the model has no parameter that requires grad")
+        self._args = args
+        return _Step.apply(_Run(self, env), *params)
+
+
+class _Run:
+    """The state of one step: resident values, graphs, gradients, RNG states."""
+
+    def __init__(self, step: PlannedStep, env: dict):
+        self.step = step
+        self.const = env               # placeholders: parameters, buffers, inputs, constants
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.static = {t.untyped_storage()._cdata for t in env.values() if isinstance(t, torch.Tensor)}
+        self.live: dict[int, _Live] = {}
+        self.grads: dict = {}          # fx node -> gradient of that value
+        self.rng: dict[int, torch.Tensor] = {}
+        self.computed: set[int] = set()
+        self.loss_live: _Live | None = None
+        self.loss_value: torch.Tensor | None = None
+
+    # values
+    def value(self, node: Any) -> torch.Tensor:
+        if node in self.const:
+            return self.const[node]
+        j = self.step._producer.get(node)
+        lv = self.live.get(j)
+        if lv is None or lv.outputs is None:
+            raise RuntimeError(f"remat.apply: {node.name} (output of {self.step._fns[j].name if j is not None else '?'}) "
+                               "is needed but not resident: the plan does not match what autograd saved")
+        return lv.outputs[node]
+
+    def run_op(self, op) -> None:
+        s = self.step
+        v = op.node
+        if op.op == "free":
+            if v < s._m:
+                lv = self.live.get(v)
+                if lv is not None:
+                    lv.outputs = None
+                    if lv.owns_tensors:
+                        del self.live[v]
+            return
+        if v < s._m:
+            self.compute(v)
+        elif v == s._loss_id:
+            self.compute(v)
+        else:
+            self.backward(s._fwd_of[v])
+
+    def compute(self, v: int) -> None:
+        fn = self.step._fns[v]
+        first = v not in self.computed
+        values, leaves = [], []  # leaves: (input node, storage key)
+        for k, i in enumerate(fn.inputs):
+            x = self.value(i)
+            if isinstance(x, torch.Tensor):
+                leaves.append((i, x.untyped_storage()._cdata))
+            if k in fn.grad_inputs and isinstance(x, torch.Tensor):
+                if x.requires_grad and x.is_floating_point():
+                    with torch.enable_grad():
+                        x = _Entry.apply(self.anchor, x.detach(), self._sink(i))
+                else:
+                    x = x.detach()
+            if isinstance(x, torch.Tensor) and (k in fn.cloned or (not first and k in fn.buffers)):
+                x = x.clone()  # a recomputation leaves the running statistics alone
+            values.append(x)
+        saved: list[_Saved] = []
+
+        def pack(t: torch.Tensor) -> "_Saved":
+            h = _Saved(t)
+            saved.append(h)
+            return h
+
+        def unpack(h: "_Saved") -> torch.Tensor:
+            if h.t is not None:
+                return h.t
+            x = self.value(h.node).detach()
+            if x.size() == h.size and x.stride() == h.stride and x.storage_offset() == h.offset:
+                return x
+            return x.as_strided(h.size, h.stride, h.offset)
+
+        rng_ctx = torch.random.fork_rng(devices=[]) if (fn.random and not first) else _null()
+        with rng_ctx:
+            if fn.random:
+                if first:
+                    self.rng[v] = torch.get_rng_state()
+                else:
+                    torch.set_rng_state(self.rng[v])
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                outs = fn.run(values)
+        del values
+        self.computed.add(v)
+        outputs = dict(zip(fn.outputs, outs))
+        # a saved tensor that is an input or an output of the stage: a reference to that value,
+        # resolved when the backward unpacks it (in whatever copy is resident then)
+        refs: dict = {}
+        for i, key in leaves:
+            refs.setdefault(key, i)
+        for n, o in outputs.items():
+            if isinstance(o, torch.Tensor):
+                refs.setdefault(o.untyped_storage()._cdata, n)
+        owns = False
+        for h in saved:
+            key = h.t.untyped_storage()._cdata
+            node = refs.get(key)
+            if node is None:
+                owns = owns or key not in self.static  # parameters, buffers, inputs: resident anyway
+            else:
+                h.refer(node)
+        del saved
+        edges = [(n, torch.autograd.graph.get_gradient_edge(o)) for n, o in outputs.items()
+                 if isinstance(o, torch.Tensor) and o.requires_grad]
+        lv = _Live(outputs, edges, owns)
+        if v == self.step._loss_id:
+            self.loss_live = lv
+            self.loss_value = outs[0]
+        else:
+            self.live[v] = lv
+
+    def _sink(self, node: Any) -> Callable[[torch.Tensor], None]:
+        def sink(g: torch.Tensor) -> None:
+            old = self.grads.get(node)
+            self.grads[node] = g if old is None else old + g
+        return sink
+
+    def backward(self, v: int, lv: _Live | None = None) -> None:
+        """Backward node b_v: input gradients reach `grads` through the stage's `_Entry` nodes,
+        parameter gradients accumulate into ``.grad`` one by one, as plain autograd does."""
+        lv = lv if lv is not None else self.live.get(v)
+        if lv is None:
+            raise RuntimeError(f"remat.apply: the backward of {self.step._fns[v].name} runs but its graph was "
+                               "freed and not recomputed: the plan does not match what autograd saved")
+        pairs = [(e, self.grads[n]) for n, e in lv.edges if n in self.grads]
+        fn = self.step._fns[v]
+        params = [p for p in (self.const[fn.inputs[k]] for k in fn.params) if p.requires_grad]
+        if pairs:
+            torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs], inputs=params + [self.anchor])
+        del pairs
+        for n, _ in lv.edges:
+            self.grads.pop(n, None)
+        lv.edges = []
+        if v < self.step._m and lv.outputs is None:
+            self.live.pop(v, None)
+
+
+class _Entry(torch.autograd.Function):
+    """Where an activation enters a stage: the identity, whose backward hands the gradient to
+    the step (`_Run.grads`) instead of accumulating it into a leaf.  Its `anchor` (one small
+    tensor per step) makes the output require grad without keeping the input's storage."""
+
+    @staticmethod
+    def forward(ctx, anchor, x, sink):
+        ctx.sink = sink
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.sink(g)
+        return None, None, None
+
+
+class _Step(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: _Run, *params):
+        for op in run.step._fwd_ops:
+            run.run_op(op)
+        ctx.run = run
+        return run.loss_value.detach()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        run: _Run = ctx.run
+        ctx.run = None
+        lv = run.loss_live
+        run.loss_live = None
+        run.grads["loss"] = grad_loss
+        run.backward(run.step._loss_id, lv)
+        del lv
+        run.loss_value = None
+        for op in run.step._bwd_ops:
+            run.run_op(op)
+        run.live.clear()
+        run.grads.clear()
+        return (None,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def apply(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any, loss_fn: Callable | None = None, *,
+          example_kwargs: dict | None = None) -> PlannedStep:
+    """A module whose call runs one training step of `model` as `plan` says: ``loss =
+    planned(*inputs); loss.backward()`` gives the loss and parameter gradients of plain autograd
+    (``loss_fn(model(*inputs), *inputs)``, default `default_loss`, must be the one the plan was
+    traced with).  `plan` is a `Plan` or a path to a plan.json; `example_inputs` have the shapes
+    the plan was traced with.  Raises `InvalidInputError` when the model does not cut into the
+    plan's forward nodes, NotImplementedError for plans with swap ops."""
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    return PlannedStep(model, plan, example_inputs, loss_fn, example_kwargs)
+
+
+__all__ = ["apply", "PlannedStep", "SWAP_MESSAGE"]

@@ -1,0 +1,169 @@
+"""remat.apply: a recompute-only plan runs on the CPU with plain autograd's loss and gradients,
+and the measured peak of a planned step is the plan's predicted peak (DESIGN.md, promise 1)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+
+import remat  # noqa: E402
+from remat.errors import InfeasibleBudgetError, InvalidInputError  # noqa: E402
+from remat.frontends import default_loss, measure_peak, zoo  # noqa: E402
+from remat.schedule import Op, Schedule  # noqa: E402
+
+PEAK_TOLERANCE = 0.10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self, width: int = 64, layers: int = 6):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Dropout(0.1))
+                                      for _ in range(layers)])
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        return self.head(self.layers(x))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return DropoutMLP(), (torch.randn(32, 64),)
+
+
+def _resnet():
+    torch.manual_seed(0)
+    m, x = zoo.get("resnet18", batch=2, image_size=32)
+    return m, (x if isinstance(x, tuple) else (x,))
+
+
+def _gpt():
+    torch.manual_seed(0)
+    m, x = zoo.get("gpt2")
+    return m, (x if isinstance(x, tuple) else (x,))
+
+
+MODELS = {"mlp-dropout": _mlp, "resnet18-batchnorm": _resnet, "gpt2-dropout": _gpt}
+
+
+def _tight_plan(graph, full):
+    """An ILP plan well below the 1.0x plan's peak: 40 % of the activation bytes, or the
+    smallest feasible budget when that is less."""
+    budget = int(graph.fixed_bytes + 0.4 * (full.predicted["peak_bytes"] - graph.fixed_bytes))
+    try:
+        return remat.plan(graph, budget, solver="ilp", swap=False, time_limit=30)
+    except InfeasibleBudgetError as e:
+        return remat.plan(graph, e.min_feasible_bytes, solver="ilp", swap=False, time_limit=30)
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def traced(request):
+    model, inputs = MODELS[request.param]()
+    model.train()
+    graph = remat.trace(model, inputs, profile="flops")
+    full = remat.plan(graph, "1.0x", solver="ilp", swap=False, time_limit=30)
+    tight = _tight_plan(graph, full)
+    return request.param, model, inputs, graph, {"1.0x": full, "tight": tight}
+
+
+def _plain_and_planned(model, inputs, plan):
+    """(reference model after one plain step, planned model after one planned step, losses)."""
+    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
+    planned = remat.apply(mine, plan, inputs)
+    rng = torch.get_rng_state()
+    loss_ref = default_loss(ref(*inputs), *inputs)
+    loss_ref.backward()
+    torch.set_rng_state(rng)
+    loss = planned(*inputs)
+    loss.backward()
+    return ref, mine, planned, loss_ref, loss
+
+
+def test_tight_plan_recomputes(traced):
+    name, model, inputs, graph, plans = traced
+    counts = remat.simulate(graph, plans["tight"].schedule).compute_counts
+    assert any(counts[v.id] > 1 for v in graph.nodes if v.kind == "forward"), name
+    assert plans["tight"].predicted["peak_bytes"] < plans["1.0x"].predicted["peak_bytes"]
+
+
+@pytest.mark.parametrize("budget", ["1.0x", "tight"])
+def test_gradients_equal_plain_autograd(traced, budget):
+    name, model, inputs, graph, plans = traced
+    ref, mine, _, loss_ref, loss = _plain_and_planned(model, inputs, plans[budget])
+    assert torch.equal(loss, loss_ref), (name, loss.item(), loss_ref.item())
+    for (n, p), q in zip(ref.named_parameters(), mine.parameters()):
+        assert q.grad is not None, n
+        assert torch.allclose(q.grad, p.grad, rtol=1e-6, atol=1e-7), (name, n, (q.grad - p.grad).abs().max())
+    # BatchNorm running statistics: updated exactly once per step, as in plain training
+    for (n, b), c in zip(ref.named_buffers(), mine.buffers()):
+        assert torch.equal(b, c), (name, n)
+
+
+def test_measured_peak_is_predicted(traced):
+    name, model, inputs, graph, plans = traced
+    peaks = {}
+    for budget, plan in plans.items():
+        mine = copy.deepcopy(model)
+        planned = remat.apply(mine, plan, inputs)
+        planned(*inputs).backward()  # gradients exist from now on, as in a training loop
+        mine.zero_grad(set_to_none=False)
+        resident = list(mine.parameters()) + list(mine.buffers()) + list(inputs) + [p.grad for p in mine.parameters()]
+        peaks[budget] = measure_peak(lambda: planned(*inputs).backward(), resident=resident)
+        predicted = plan.predicted["peak_bytes"]
+        assert abs(peaks[budget] - predicted) <= PEAK_TOLERANCE * predicted, (name, budget, peaks[budget], predicted)
+    assert peaks["tight"] <= peaks["1.0x"], (name, peaks)
+
+
+def test_eval_and_no_grad_run_the_plain_model(traced):
+    name, model, inputs, graph, plans = traced
+    mine = copy.deepcopy(model)
+    planned = remat.apply(mine, plans["tight"], inputs)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        a = planned(*inputs)
+        torch.manual_seed(1)
+        b = default_loss(mine(*inputs), *inputs)
+    assert torch.equal(a, b)
+    mine.eval()
+    with torch.no_grad():
+        assert torch.equal(planned(*inputs), default_loss(mine(*inputs), *inputs))
+
+
+def test_plan_of_another_model_is_refused():
+    model, inputs = _mlp()
+    graph = remat.trace(model, inputs, profile="flops")
+    plan = remat.plan(graph, "1.0x", solver="ilp", swap=False)
+    other = DropoutMLP(layers=4)
+    with pytest.raises(InvalidInputError, match="another model"):
+        remat.apply(other, plan, inputs)
+    with pytest.raises(InvalidInputError, match="another model/batch shape"):
+        remat.apply(model, plan, (torch.randn(16, 64),))
+    planned = remat.apply(model, plan, inputs)
+    with pytest.raises(InvalidInputError, match="re-plan"):
+        planned(torch.randn(16, 64))
+
+
+def test_swap_plan_is_not_executed_yet():
+    model, inputs = _mlp()
+    graph = remat.trace(model, inputs, profile="flops")
+    plan = remat.plan(graph, "1.0x", solver="ilp", swap=False)
+    ops = list(plan.schedule.ops)
+    ops.insert(1, Op("swap_out", 0, 0))
+    swapped = remat.Plan(graph, Schedule(ops), plan.budget_bytes, plan.solver, plan.predicted)
+    with pytest.raises(NotImplementedError, match="plan with --no-swap"):
+        remat.apply(model, swapped, inputs)
+
+
+def test_apply_is_exported_lazily():
+    from remat.frontends.executor import apply
+    assert remat.apply is apply
