@@ -88,21 +88,28 @@ class _Saved:
 class PlannedStep(torch.nn.Module):
     """``planned(*inputs) -> loss`` that runs `plan`'s ops; see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, example_inputs: Any, loss_fn: Callable | None = None,
+    def __init__(self, model: torch.nn.Module, plan: Plan, example_inputs: Any = None, loss_fn: Callable | None = None,
                  example_kwargs: dict | None = None):
         super().__init__()
         self.model = model
         self.plan = plan
         self.loss_fn = loss_fn or default_loss
-        graph = plan.graph
         bad = sorted({o.op for o in plan.schedule.ops if o.op not in ("compute", "free")})
         if bad:
             raise NotImplementedError(SWAP_MESSAGE)
+        self._example_kwargs = example_kwargs
+        self._ready = False
+        if example_inputs is not None or example_kwargs is not None:
+            self._prepare(*_split_inputs(example_inputs, example_kwargs))
+
+    def _prepare(self, args: tuple, kwargs: dict) -> None:
+        """Capture and cut the model as `remat.trace` did; check it against the plan's graph."""
+        model, plan = self.model, self.plan
+        graph = plan.graph
         meta = graph.meta
         granularity = meta.get("granularity", "module")
         depth = meta.get("depth") or 1
         mode = "eager" if meta.get("capture") == EAGER else "auto"
-        args, kwargs = _split_inputs(example_inputs, example_kwargs)
         shapes = [list(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if meta.get("input_shapes") is not None and meta["input_shapes"] != shapes:
             raise InvalidInputError(f"remat.apply: the plan was made for inputs of shapes {meta['input_shapes']}, "
@@ -141,6 +148,7 @@ class PlannedStep(torch.nn.Module):
         ops = plan.schedule.ops
         split = next(k for k, o in enumerate(ops) if o.op == "compute" and o.node == self._loss_id)
         self._fwd_ops, self._bwd_ops = ops[:split + 1], ops[split + 1:]
+        self._ready = True
 
     # ---- stages ---------------------------------------------------------------------------
     def _stage_fn(self, s, random: bool, mutates: bool) -> _StageFn:
@@ -184,6 +192,8 @@ class PlannedStep(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not torch.is_grad_enabled() or not self.model.training:
             return self.loss_fn(self.model(*args, **kwargs), *args)
+        if not self._ready:  # no example inputs given: the first batch is the example
+            self._prepare(args, kwargs)
         flat = [t for t in tree_flatten((args, kwargs))[0]]
         shapes = [list(t.shape) for t in flat if isinstance(t, torch.Tensor)]
         if shapes != self._shapes:
@@ -263,7 +273,9 @@ class _Run:
         saved: list[_Saved] = []
 
         def pack(t: torch.Tensor) -> "_Saved":
-            h = _Saved(t)
+            # detached: a saved output holding its own grad_fn would be a reference cycle
+            # through C++ that keeps the stage's graph alive after `free`
+            h = _Saved(t.detach())
             saved.append(h)
             return h
 
@@ -388,13 +400,14 @@ class _null:
         return False
 
 
-def apply(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any, loss_fn: Callable | None = None, *,
+def apply(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any = None, loss_fn: Callable | None = None, *,
           example_kwargs: dict | None = None) -> PlannedStep:
     """A module whose call runs one training step of `model` as `plan` says: ``loss =
     planned(*inputs); loss.backward()`` gives the loss and parameter gradients of plain autograd
     (``loss_fn(model(*inputs), *inputs)``, default `default_loss`, must be the one the plan was
     traced with).  `plan` is a `Plan` or a path to a plan.json; `example_inputs` have the shapes
-    the plan was traced with.  Raises `InvalidInputError` when the model does not cut into the
+    the plan was traced with (without them, the first training call's inputs are the example and
+    the checks happen then).  Raises `InvalidInputError` when the model does not cut into the
     plan's forward nodes, NotImplementedError for plans with swap ops."""
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)

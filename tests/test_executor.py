@@ -10,11 +10,15 @@ torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 
 import remat  # noqa: E402
+from remat.frontends.executor import apply  # noqa: E402
 from remat.errors import InfeasibleBudgetError, InvalidInputError  # noqa: E402
 from remat.frontends import default_loss, measure_peak, zoo  # noqa: E402
 from remat.schedule import Op, Schedule  # noqa: E402
 
-PEAK_TOLERANCE = 0.10
+PEAK_TOLERANCE = 0.10   # DESIGN.md, promise 1
+# On the CPU both figures count tensor storages, so they agree to a few bytes (the step's own
+# small tensors); a leak of one activation shows up well inside the promise's 10 %.
+EXACT_TOLERANCE = 0.01
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,7 +83,7 @@ def traced(request):
 def _plain_and_planned(model, inputs, plan):
     """(reference model after one plain step, planned model after one planned step, losses)."""
     ref, mine = copy.deepcopy(model), copy.deepcopy(model)
-    planned = remat.apply(mine, plan, inputs)
+    planned = apply(mine, plan, inputs)
     rng = torch.get_rng_state()
     loss_ref = default_loss(ref(*inputs), *inputs)
     loss_ref.backward()
@@ -114,20 +118,21 @@ def test_measured_peak_is_predicted(traced):
     peaks = {}
     for budget, plan in plans.items():
         mine = copy.deepcopy(model)
-        planned = remat.apply(mine, plan, inputs)
+        planned = apply(mine, plan, inputs)
         planned(*inputs).backward()  # gradients exist from now on, as in a training loop
         mine.zero_grad(set_to_none=False)
         resident = list(mine.parameters()) + list(mine.buffers()) + list(inputs) + [p.grad for p in mine.parameters()]
         peaks[budget] = measure_peak(lambda: planned(*inputs).backward(), resident=resident)
         predicted = plan.predicted["peak_bytes"]
         assert abs(peaks[budget] - predicted) <= PEAK_TOLERANCE * predicted, (name, budget, peaks[budget], predicted)
+        assert abs(peaks[budget] - predicted) <= EXACT_TOLERANCE * predicted, (name, budget, peaks[budget], predicted)
     assert peaks["tight"] <= peaks["1.0x"], (name, peaks)
 
 
 def test_eval_and_no_grad_run_the_plain_model(traced):
     name, model, inputs, graph, plans = traced
     mine = copy.deepcopy(model)
-    planned = remat.apply(mine, plans["tight"], inputs)
+    planned = apply(mine, plans["tight"], inputs)
     with torch.no_grad():
         torch.manual_seed(1)
         a = planned(*inputs)
@@ -145,10 +150,10 @@ def test_plan_of_another_model_is_refused():
     plan = remat.plan(graph, "1.0x", solver="ilp", swap=False)
     other = DropoutMLP(layers=4)
     with pytest.raises(InvalidInputError, match="another model"):
-        remat.apply(other, plan, inputs)
+        apply(other, plan, inputs)
     with pytest.raises(InvalidInputError, match="another model/batch shape"):
-        remat.apply(model, plan, (torch.randn(16, 64),))
-    planned = remat.apply(model, plan, inputs)
+        apply(model, plan, (torch.randn(16, 64),))
+    planned = apply(model, plan, inputs)
     with pytest.raises(InvalidInputError, match="re-plan"):
         planned(torch.randn(16, 64))
 
@@ -161,9 +166,18 @@ def test_swap_plan_is_not_executed_yet():
     ops.insert(1, Op("swap_out", 0, 0))
     swapped = remat.Plan(graph, Schedule(ops), plan.budget_bytes, plan.solver, plan.predicted)
     with pytest.raises(NotImplementedError, match="plan with --no-swap"):
-        remat.apply(model, swapped, inputs)
+        apply(model, swapped, inputs)
 
 
-def test_apply_is_exported_lazily():
-    from remat.frontends.executor import apply
-    assert remat.apply is apply
+def test_example_inputs_may_come_with_the_first_call():
+    model, inputs = _mlp()
+    graph = remat.trace(model, inputs, profile="flops")
+    plan = remat.plan(graph, "1.0x", solver="ilp", swap=False)
+    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
+    planned = apply(mine, plan)
+    rng = torch.get_rng_state()
+    default_loss(ref(*inputs), *inputs).backward()
+    torch.set_rng_state(rng)
+    planned(*inputs).backward()
+    for p, q in zip(ref.parameters(), mine.parameters()):
+        assert torch.allclose(q.grad, p.grad, rtol=1e-6, atol=1e-7)
