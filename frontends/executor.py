@@ -18,10 +18,12 @@ would, but runs the plan's ops (DESIGN.md, "op semantics"):
   autograd does (``+=`` into an existing gradient), input gradients feed the producers.
 
 What makes ``free`` real: a saved tensor that is one of the stage's inputs or outputs is
-packed (``saved_tensors_hooks``) as a reference to that value and looked up when the backward
-unpacks it, in whatever copy is resident then (the first one, or a recomputation); and the
-detached input leaves give up their storage once the stage has run.  So a stage's graph holds
-only what autograd saved inside it, which is what the plan counts as its bytes.
+packed (``saved_tensors_hooks``, detached) as a reference to that value and looked up when the
+backward unpacks it, in whatever copy is resident then (the first one, or a recomputation); and
+an activation enters a stage through `_Entry`, an identity whose backward hands the gradient to
+the step, so no autograd leaf keeps the producer's storage alive.  So a stage's graph holds only
+what autograd saved inside it, which is what the plan counts as its bytes.  On the CPU the
+measured peak (`measure_peak`) equals the predicted one to a few bytes.
 
 The whole step is one ``torch.autograd.Function``: its forward runs the ops up to the loss, its
 backward the rest.  Swap ops are not executed yet (NotImplementedError).  In eval mode or under
@@ -97,7 +99,6 @@ class PlannedStep(torch.nn.Module):
         bad = sorted({o.op for o in plan.schedule.ops if o.op not in ("compute", "free")})
         if bad:
             raise NotImplementedError(SWAP_MESSAGE)
-        self._example_kwargs = example_kwargs
         self._ready = False
         if example_inputs is not None or example_kwargs is not None:
             self._prepare(*_split_inputs(example_inputs, example_kwargs))

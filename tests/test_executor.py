@@ -181,3 +181,23 @@ def test_example_inputs_may_come_with_the_first_call():
     planned(*inputs).backward()
     for p, q in zip(ref.parameters(), mine.parameters()):
         assert torch.allclose(q.grad, p.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_several_steps_with_an_optimizer_match_plain_training():
+    model, inputs = _resnet()
+    graph = remat.trace(model, inputs, profile="flops")
+    full = remat.plan(graph, "1.0x", solver="ilp", swap=False)
+    plan = _tight_plan(graph, full)
+    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
+    planned = apply(mine, plan, inputs)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    opt = torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9)
+    for _ in range(3):
+        opt_ref.zero_grad()
+        default_loss(ref(*inputs), *inputs).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        planned(*inputs).backward()
+        opt.step()
+    for (n, a), b in zip(ref.state_dict().items(), mine.state_dict().values()):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6), n
