@@ -9,7 +9,7 @@ from .plan import Plan, load_plan, plan  # the function `remat.plan`; the module
 __version__ = "0.1.0"
 __all__ = ["Graph", "Node", "Schedule", "Stage", "Op", "simulate", "SimResult",
            "plan", "Plan", "load_plan", "parse_budget", "format_bytes",
-           "RematError", "InvalidInputError", "InfeasibleBudgetError", "SolverError", "trace"]
+           "RematError", "InvalidInputError", "InfeasibleBudgetError", "SolverError", "trace", "apply"]
 
 
 def __getattr__(name: str):
@@ -18,4 +18,7 @@ def __getattr__(name: str):
     if name == "trace":
         from remat.frontends.trace import trace
         return trace
+    if name == "apply":
+        from remat.frontends.executor import apply
+        return apply
     raise AttributeError(f"module 'remat' has no attribute {name!r}")
