@@ -26,7 +26,7 @@ notebooks:
 demo:
 	mkdir -p $(DEMO)
 	$(PYTHON) -m remat.cli generate chain --layers 32 -o $(DEMO)/chain32.json
-	$(PYTHON) -m remat.cli plan $(DEMO)/chain32.json --budget 0.4x --solver ilp --time-limit 20 -o $(DEMO)/plan.json
+	$(PYTHON) -m remat.cli plan $(DEMO)/chain32.json --budget 0.4x --solver ilp --time-limit 40 -o $(DEMO)/plan.json
 	$(PYTHON) -m remat.cli simulate $(DEMO)/plan.json
 	$(PYTHON) -m remat.cli plan $(DEMO)/chain32.json --budget 0.4x --solver ilp --no-swap --time-limit 20 -o $(DEMO)/plan_noswap.json
 	$(PYTHON) -m remat.cli sweep $(DEMO)/chain32.json --budgets 0.3x:1.0x:3 --solvers $(DEMO_SOLVERS) --no-swap --time-limit 10 -o $(DEMO)/sweep.csv
