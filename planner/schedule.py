@@ -102,13 +102,6 @@ class Schedule:
                 m[t, list(ids)] = 1
         return tuple(mats)
 
-    def compute_counts(self, n: int) -> list[int]:
-        counts = [0] * n
-        for o in self.ops:
-            if o.op == "compute":
-                counts[o.node] += 1
-        return counts
-
     # ---- serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"ops": [o.to_dict() for o in self.ops]}

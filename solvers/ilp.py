@@ -200,6 +200,10 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     def sf(t: int, i: int):
         return SF.get((t, i), 0)
 
+    def host(t: int, i: int):
+        """1 when i has a host copy at the start of stage t (swapped out in an earlier stage)."""
+        return pulp.lpSum(SO[tt, i] for tt in range(t) if (tt, i) in SO)
+
     add = prob.addConstraint
     for t in range(n):
         for i in range(t + 1):
@@ -223,10 +227,10 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
         if len(outs) > 1:
             add(pulp.lpSum(outs) <= 1, f"swap_out_once_{i}")
     for (t, i), v in SI.items():
-        add(v <= pulp.lpSum(SO[tt, i] for tt in range(t) if (tt, i) in SO), f"swap_in_host_{t}_{i}")
+        add(v <= host(t, i), f"swap_in_host_{t}_{i}")
         add(v <= s(t + 1, i), f"swap_in_used_{t}_{i}")
     for (t, i), v in SF.items():
-        add(v <= pulp.lpSum(SO[tt, i] for tt in range(t) if (tt, i) in SO), f"fetch_host_{t}_{i}")
+        add(v <= host(t, i), f"fetch_host_{t}_{i}")
         add(v <= s(t + 1, i) + pulp.lpSum(r(t, k) for k in succs[i] if k <= t), f"fetch_used_{t}_{i}")
 
     # FREE and memory
