@@ -25,9 +25,20 @@ the step, so no autograd leaf keeps the producer's storage alive.  So a stage's 
 what autograd saved inside it, which is what the plan counts as its bytes.  On the CPU the
 measured peak (`measure_peak`) equals the predicted one to a few bytes.
 
+Swap ops (forward nodes only, the solvers' executability rule) move what ``free`` would drop:
+* ``swap_out v``: start copying, storage by storage, v's outputs and the tensors its graph saved
+  of its own to host buffers (`transfer.Transfers`: pinned and reused, a side stream and events
+  on CUDA; synchronous and counted as host on the CPU).  Outputs that are views of v's inputs
+  are not copied: they are recorded as views and rebuilt from the input on the way back.
+* ``free v`` after a swap-out: the device copies go, v's graph stays (its saved tensors now
+  live on the host);
+* ``swap_in v``: allocate device storages, start the copies back, rebuild v's outputs and
+  saved tensors as views of them; ``wait v`` (or the first use of v) makes the compute stream
+  wait for the copy.  Host copies live until the step ends (as the simulator counts them).
+
 The whole step is one ``torch.autograd.Function``: its forward runs the ops up to the loss, its
-backward the rest.  Swap ops are not executed yet (NotImplementedError).  In eval mode or under
-``torch.no_grad()`` the plain model runs.
+backward the rest.  Random stages replay their RNG state (the CPU's, and the device's on CUDA).
+In eval mode or under ``torch.no_grad()`` the plain model runs.
 """
 from __future__ import annotations
 
@@ -43,13 +54,16 @@ from remat.errors import InvalidInputError
 from remat.plan import Plan
 
 from .capture import EAGER, capture
+from .measure import storage_key
 from .profile import release_plan, run_nodes, writes_of
 from .stages import cut
 from .trace import _split_inputs, default_loss
+from .transfer import Transfers
 
 log = logging.getLogger(__name__)
 
-SWAP_MESSAGE = "remat.apply: swap ops (swap_out/swap_in/wait) are not executed yet; plan with --no-swap"
+SWAP_MESSAGE = ("remat.apply: the plan swaps a {kind} node ({name}); the executor swaps forward nodes only "
+                "(gradients go straight to their consumers): re-plan with remat's solvers, which keep to that rule")
 
 
 @dataclass
@@ -72,6 +86,18 @@ class _Live:
     outputs: dict | None                     # fx node -> tensor
     edges: list                              # (fx node, GradientEdge) of outputs requiring grad
     owns_tensors: bool                       # graph holds saved tensors of its own
+    held: list = field(default_factory=list)       # the _Saved handles holding those tensors
+    foreign: set = field(default_factory=set)      # storage keys of the stage's inputs
+
+
+@dataclass
+class _HostCopy:
+    """What ``swap_out v`` moved to the host: one buffer per storage, and how to rebuild v's
+    outputs and saved tensors from them (views: size, stride, offset, dtype)."""
+    live: _Live
+    buffers: list
+    outputs: list    # (fx node, ("host", slot, size, stride, offset, dtype, requires_grad) | ("ref", input node, size, stride, offset) | ("value", x))
+    handles: list    # (_Saved, slot, size, stride, offset, dtype)
 
 
 class _Saved:
@@ -96,9 +122,14 @@ class PlannedStep(torch.nn.Module):
         self.model = model
         self.plan = plan
         self.loss_fn = loss_fn or default_loss
-        bad = sorted({o.op for o in plan.schedule.ops if o.op not in ("compute", "free")})
-        if bad:
-            raise NotImplementedError(SWAP_MESSAGE)
+        for o in plan.schedule.ops:
+            if o.op in ("swap_out", "swap_in") and plan.graph.nodes[o.node].kind != "forward":
+                v = plan.graph.nodes[o.node]
+                raise NotImplementedError(SWAP_MESSAGE.format(kind=v.kind, name=v.name))
+        self._transfers: Transfers | None = None
+        # called after every op of the plan with (op, index): a probe for tests and tools that
+        # follow a step op by op (device bytes after each op, say); None in normal use
+        self.on_op: Callable | None = None
         self._ready = False
         if example_inputs is not None or example_kwargs is not None:
             self._prepare(*_split_inputs(example_inputs, example_kwargs))
@@ -207,20 +238,33 @@ class PlannedStep(torch.nn.Module):
         if not params:
             raise InvalidInputError("remat.apply: the model has no parameter that requires grad")
         self._args = args
-        return _Step.apply(_Run(self, env), *params)
+        device = params[0].device
+        if self._transfers is None or self._transfers.device != device:
+            self._transfers = Transfers(device)
+        return _Step.apply(_Run(self, env, self._transfers), *params)
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """Host bytes the last step's swap-outs held (what the plan predicts as host_peak_bytes)."""
+        return self._transfers.pool.peak if self._transfers is not None else 0
 
 
 class _Run:
     """The state of one step: resident values, graphs, gradients, RNG states."""
 
-    def __init__(self, step: PlannedStep, env: dict):
+    def __init__(self, step: PlannedStep, env: dict, transfers: Transfers):
         self.step = step
+        self.transfers = transfers
+        self.device = transfers.device
+        transfers.pool.reset_peak()
+        self.host: dict[int, _HostCopy] = {}   # swapped-out forward nodes
+        self.pending: dict[int, Any] = {}      # node -> event of its last transfer not yet waited for
         self.const = env               # placeholders: parameters, buffers, inputs, constants
         self.anchor = torch.zeros((), requires_grad=True)
         self.static = {t.untyped_storage()._cdata for t in env.values() if isinstance(t, torch.Tensor)}
         self.live: dict[int, _Live] = {}
         self.grads: dict = {}          # fx node -> gradient of that value
-        self.rng: dict[int, torch.Tensor] = {}
+        self.rng: dict[int, tuple] = {}
         self.computed: set[int] = set()
         self.loss_live: _Live | None = None
         self.loss_value: torch.Tensor | None = None
@@ -230,6 +274,7 @@ class _Run:
         if node in self.const:
             return self.const[node]
         j = self.step._producer.get(node)
+        self.wait(j)
         lv = self.live.get(j)
         if lv is None or lv.outputs is None:
             raise RuntimeError(f"remat.apply: {node.name} (output of {self.step._fns[j].name if j is not None else '?'}) "
@@ -244,9 +289,19 @@ class _Run:
                 lv = self.live.get(v)
                 if lv is not None:
                     lv.outputs = None
-                    if lv.owns_tensors:
+                    hc = self.host.get(v)
+                    if hc is not None and hc.live is lv:
+                        for h in lv.held:   # on the host now; the graph stays for v's backward
+                            h.t = None
+                    elif lv.owns_tensors:
                         del self.live[v]
             return
+        if op.op == "swap_out":
+            return self.swap_out(v)
+        if op.op == "swap_in":
+            return self.swap_in(v)
+        if op.op == "wait":
+            return self.wait(v)
         if v < s._m:
             self.compute(v)
         elif v == s._loss_id:
@@ -283,18 +338,24 @@ class _Run:
         def unpack(h: "_Saved") -> torch.Tensor:
             if h.t is not None:
                 return h.t
+            if h.node is None:
+                raise RuntimeError(f"remat.apply: the backward of {fn.name} needs a tensor it saved, which was "
+                                   "swapped out and not swapped in: the plan does not match what autograd saved")
             x = self.value(h.node).detach()
             if x.size() == h.size and x.stride() == h.stride and x.storage_offset() == h.offset:
                 return x
             return x.as_strided(h.size, h.stride, h.offset)
 
-        rng_ctx = torch.random.fork_rng(devices=[]) if (fn.random and not first) else _null()
+        cuda = [self.device] if self.device.type == "cuda" else []
+        rng_ctx = torch.random.fork_rng(devices=cuda, device_type="cuda") if (fn.random and not first) else _null()
         with rng_ctx:
             if fn.random:
                 if first:
-                    self.rng[v] = torch.get_rng_state()
+                    self.rng[v] = (torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda))
                 else:
-                    torch.set_rng_state(self.rng[v])
+                    torch.set_rng_state(self.rng[v][0])
+                    for d, state in zip(cuda, self.rng[v][1:]):
+                        torch.cuda.set_rng_state(state, d)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 outs = fn.run(values)
         del values
@@ -308,18 +369,19 @@ class _Run:
         for n, o in outputs.items():
             if isinstance(o, torch.Tensor):
                 refs.setdefault(o.untyped_storage()._cdata, n)
-        owns = False
+        held = []
         for h in saved:
             key = h.t.untyped_storage()._cdata
             node = refs.get(key)
             if node is None:
-                owns = owns or key not in self.static  # parameters, buffers, inputs: resident anyway
+                if key not in self.static:  # parameters, buffers, inputs: resident anyway
+                    held.append(h)
             else:
                 h.refer(node)
         del saved
         edges = [(n, torch.autograd.graph.get_gradient_edge(o)) for n, o in outputs.items()
                  if isinstance(o, torch.Tensor) and o.requires_grad]
-        lv = _Live(outputs, edges, owns)
+        lv = _Live(outputs, edges, bool(held), held, {key for _, key in leaves} | self.static)
         if v == self.step._loss_id:
             self.loss_live = lv
             self.loss_value = outs[0]
@@ -335,7 +397,9 @@ class _Run:
     def backward(self, v: int, lv: _Live | None = None) -> None:
         """Backward node b_v: input gradients reach `grads` through the stage's `_Entry` nodes,
         parameter gradients accumulate into ``.grad`` one by one, as plain autograd does."""
-        lv = lv if lv is not None else self.live.get(v)
+        if lv is None:
+            self.wait(v)
+            lv = self.live.get(v)
         if lv is None:
             raise RuntimeError(f"remat.apply: the backward of {self.step._fns[v].name} runs but its graph was "
                                "freed and not recomputed: the plan does not match what autograd saved")
@@ -350,6 +414,88 @@ class _Run:
         lv.edges = []
         if v < self.step._m and lv.outputs is None:
             self.live.pop(v, None)
+
+
+    # ---- swaps -----------------------------------------------------------------------------
+    def swap_out(self, v: int) -> None:
+        lv = self.live.get(v)
+        if lv is None or lv.outputs is None:
+            raise RuntimeError(f"remat.apply: swap_out of {self.step._fns[v].name}, which is not resident")
+        slots: dict[int, int] = {}
+        storages: list = []
+
+        def slot(t: torch.Tensor) -> int:
+            key = storage_key(t)
+            if key not in slots:
+                slots[key] = len(storages)
+                storages.append(t.untyped_storage())
+            return slots[key]
+        producer_inputs = {}
+        for i in self.step._fns[v].inputs:
+            x = self.const.get(i) if i in self.const else None
+            if x is None:
+                j = self.step._producer.get(i)
+                lvj = self.live.get(j)
+                x = lvj.outputs.get(i) if lvj is not None and lvj.outputs is not None else None
+            if isinstance(x, torch.Tensor):
+                producer_inputs.setdefault(storage_key(x), i)
+        outputs = []
+        for n, t in lv.outputs.items():
+            if not isinstance(t, torch.Tensor):
+                outputs.append((n, ("value", t)))
+            elif storage_key(t) in lv.foreign:
+                src = producer_inputs.get(storage_key(t))
+                if src is None:
+                    raise RuntimeError(f"remat.apply: swap_out of {self.step._fns[v].name}: output {n.name} is a "
+                                       "view of a value that is no longer resident")
+                outputs.append((n, ("ref", src, t.size(), t.stride(), t.storage_offset())))
+            else:
+                outputs.append((n, ("host", slot(t), t.size(), t.stride(), t.storage_offset(), t.dtype,
+                                    t.requires_grad)))
+        handles = [(h, slot(h.t), h.t.size(), h.t.stride(), h.t.storage_offset(), h.t.dtype) for h in lv.held]
+        self.wait(v)
+        buffers, event = self.transfers.to_host(storages)
+        self.host[v] = _HostCopy(lv, buffers, outputs, handles)
+        self.pending[v] = event
+
+    def swap_in(self, v: int) -> None:
+        hc = self.host.get(v)
+        if hc is None:
+            raise RuntimeError(f"remat.apply: swap_in of {self.step._fns[v].name}, which has no host copy")
+        lv = hc.live
+        if self.live.get(v) is lv and lv.outputs is not None:
+            raise RuntimeError(f"remat.apply: swap_in of {self.step._fns[v].name}, which is resident")
+        storages, event = self.transfers.to_device(hc.buffers)
+
+        def view(slot, size, stride, offset, dtype) -> torch.Tensor:
+            return torch.empty(0, dtype=dtype, device=self.device).set_(storages[slot], offset, size, stride)
+        outputs = {}
+        for n, how in hc.outputs:
+            if how[0] == "value":
+                outputs[n] = how[1]
+            elif how[0] == "ref":
+                _, src, size, stride, offset = how
+                outputs[n] = self.value(src).detach().as_strided(size, stride, offset)
+            else:
+                _, k, size, stride, offset, dtype, requires_grad = how
+                outputs[n] = view(k, size, stride, offset, dtype).requires_grad_(requires_grad)
+        for h, k, size, stride, offset, dtype in hc.handles:
+            h.t = view(k, size, stride, offset, dtype)
+        lv.outputs = outputs
+        self.live[v] = lv
+        self.pending[v] = event
+
+    def wait(self, v: int | None) -> None:
+        """The compute stream waits for v's last transfer (``wait v``, or before a use of v)."""
+        if v is not None and v in self.pending:
+            self.transfers.wait(self.pending.pop(v))
+
+    def end(self) -> None:
+        self.live.clear()
+        self.grads.clear()
+        self.host.clear()
+        self.pending.clear()
+        self.transfers.end_step()
 
 
 class _Entry(torch.autograd.Function):
@@ -371,8 +517,10 @@ class _Entry(torch.autograd.Function):
 class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: _Run, *params):
-        for op in run.step._fwd_ops:
+        for k, op in enumerate(run.step._fwd_ops):
             run.run_op(op)
+            if run.step.on_op is not None:
+                run.step.on_op(op, k)
         ctx.run = run
         return run.loss_value.detach()
 
@@ -386,10 +534,12 @@ class _Step(torch.autograd.Function):
         run.backward(run.step._loss_id, lv)
         del lv
         run.loss_value = None
-        for op in run.step._bwd_ops:
+        first = len(run.step._fwd_ops)
+        for k, op in enumerate(run.step._bwd_ops):
             run.run_op(op)
-        run.live.clear()
-        run.grads.clear()
+            if run.step.on_op is not None:
+                run.step.on_op(op, first + k)
+        run.end()
         return (None,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
@@ -409,7 +559,7 @@ def apply(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any = None
     traced with).  `plan` is a `Plan` or a path to a plan.json; `example_inputs` have the shapes
     the plan was traced with (without them, the first training call's inputs are the example and
     the checks happen then).  Raises `InvalidInputError` when the model does not cut into the
-    plan's forward nodes, NotImplementedError for plans with swap ops."""
+    plan's forward nodes, NotImplementedError for plans that swap a node other than a forward node."""
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
     return PlannedStep(model, plan, example_inputs, loss_fn, example_kwargs)

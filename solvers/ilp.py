@@ -47,9 +47,11 @@ R and the swaps need (`minimal_keep`; the deps, validity and swap_out rows force
 and the minimal one only lowers memory and loosens the FREE bounds; the schedule is read back
 with it.  So only R (and the swaps) are branched on.
 
-Executability.  By default (recompute_backward=False) only forward nodes are recomputed: the
-executor runs backward through autograd, which evaluates each backward node (and the loss) once.
-recompute_backward=True creates R for every node, which is Checkmate's model exactly.
+Executability.  By default (recompute_backward=False) only forward nodes are recomputed or
+swapped: the executor runs backward through autograd, which evaluates each backward node (and
+the loss) once, and hands gradients straight to their consumers (a gradient has no host copy).
+recompute_backward=True creates R (and the swap variables) for every node, which is
+Checkmate's model exactly.
 
 The `no_waste` rows cut off only dominated solutions (a value kept or recomputed that nothing in
 the stage uses and that is not kept further): removing such an entry never raises memory or
@@ -177,7 +179,7 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
                 if recompute_backward or graph.nodes[i].kind == "forward":
                     R[t, i] = var("R", t, i)
                 S[t, i] = var("S", t, i)
-                if swap and M[i] > 0:
+                if swap and M[i] > 0 and (recompute_backward or graph.nodes[i].kind == "forward"):
                     if t < n - 1:
                         SO[t, i] = var("SO", t, i)
                     if t >= 2 and i <= t - 2:
@@ -617,13 +619,23 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
           gap: float = 0.0, threads: int | None = None, backend: str = "cbc", warm_start: bool = True,
           bandwidth: float | None = None, max_memory_units: int = 1_000_000, msg: bool = False,
           recompute_backward: bool = False, progress: Callable[[dict], None] | None = None,
-          **_: object) -> Schedule:
+          mode: str = "auto", **options: object) -> Schedule:
     """Optimal schedule under `budget_bytes` (whole-step bytes, fixed bytes included).
 
     `time_limit` bounds the call: the MIP search gets what building the model and the warm start
     left of it (at least 1 s; reading back the schedule and a fallback LP bound come on top);
     `progress(dict)` receives incumbent, lower bound and gap while CBC runs.
+    `mode`: "exact" (this model on the whole graph), "scalable" (`ilp_scalable`: coarsen, solve,
+    expand, refine; a bound for the whole graph) or "auto" (scalable above
+    `ilp_scalable.AUTO_THRESHOLD` nodes).
     """
+    if mode not in ("auto", "exact", "scalable"):
+        raise InvalidInputError(f"--mode: expected 'auto', 'exact' or 'scalable', got {mode!r}")
+    from . import ilp_scalable
+    if mode == "scalable" or (mode == "auto" and graph.n > ilp_scalable.AUTO_THRESHOLD):
+        return ilp_scalable.solve(graph, budget_bytes, swap=swap, time_limit=time_limit, gap=gap, threads=threads,
+                                  backend=backend, bandwidth=bandwidth, recompute_backward=recompute_backward,
+                                  progress=progress, msg=msg, **options)
     t0 = _time.perf_counter()
     _check_budget(graph, budget_bytes)
     warm = best_baseline(graph, budget_bytes, bandwidth) if warm_start else None
@@ -634,7 +646,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         try:
             plain = solve(graph, budget_bytes, swap=False, time_limit=None if time_limit is None else time_limit / 3,
                           gap=gap, threads=threads, backend=backend, bandwidth=bandwidth,
-                          max_memory_units=max_memory_units, recompute_backward=recompute_backward)
+                          max_memory_units=max_memory_units, recompute_backward=recompute_backward,
+                          mode="exact")
         except (InfeasibleBudgetError, SolverError):
             plain = None
         if plain is not None:

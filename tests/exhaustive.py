@@ -83,7 +83,8 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
                         continue  # autograd runs each backward node (and the loss) exactly once
                     if any(i not in nxt_set and not any(k in R for k in succs[i]) for i in SF_set):
                         continue
-                    so_choices = (_subsets([i for i in S_set - H_set if max(succs[i]) > t])
+                    so_choices = (_subsets([i for i in S_set - H_set if max(succs[i]) > t
+                                            and (recompute_backward or graph.nodes[i].kind == "forward")])
                                   if (swap and t + 1 < n) else [()])
                     for SO in so_choices:
                         SO_set = set(SO)
