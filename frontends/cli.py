@@ -115,7 +115,64 @@ def trace_model(spec: str, *, batch: int | None = None, input_shape: tuple | Non
                 progress: bool = True, **options: Any):
     from .trace import trace
     model, inputs, name = load_model(spec, batch=batch, input_shape=input_shape, full=full)
-    return trace(model, inputs, name=name, progress=progress, **options)
+    graph = trace(model, inputs, name=name, progress=progress, **options)
+    # how to build the model again (`remat run --plan` without MODEL)
+    graph.meta["model_spec"] = {"model": spec, "batch": batch, "input_shape": list(input_shape) if input_shape else None,
+                                "full": full}
+    return graph
+
+
+def run_run(args: Any) -> int:
+    """``remat run``: train a few steps with a plan (given, or made here) and print predicted vs
+    measured peak and time per step."""
+    from remat.budget import format_bytes
+    from remat.plan import load_plan, plan as make_plan
+    from .run import run_plan
+    shape = parse_shape(args.input_shape)
+    if args.plan is not None:
+        p = load_plan(args.plan)
+        spec = p.graph.meta.get("model_spec") or {}
+        model_spec = args.model or spec.get("model")
+        if model_spec is None:
+            raise InvalidInputError("remat run: the plan does not say which model it was traced from; give MODEL")
+        model, inputs, name = load_model(model_spec, batch=args.batch if args.batch is not None else spec.get("batch"),
+                                         input_shape=shape or (tuple(spec["input_shape"]) if spec.get("input_shape")
+                                                               else None),
+                                         full=args.full or bool(spec.get("full")))
+    else:
+        if args.model is None:
+            raise InvalidInputError("remat run: give MODEL with --budget, or --plan PLAN.json")
+        model, inputs, name = load_model(args.model, batch=args.batch, input_shape=shape, full=args.full)
+        from .trace import trace
+        graph = trace(model, inputs, name=name, progress=not args.no_progress)
+        graph.meta["model_spec"] = {"model": args.model, "batch": args.batch,
+                                    "input_shape": list(shape) if shape else None, "full": args.full}
+        opts = {"swap": not args.no_swap, "time_limit": args.time_limit, "gap": args.gap}
+        if args.threads is not None:
+            opts["threads"] = args.threads
+        p = make_plan(graph, args.budget, args.solver, **opts)
+        if args.output:
+            p.save(args.output)
+            print(f"wrote      {args.output}")
+    pr, s = p.predicted, p.solver
+    unit = "s" if p.graph.meta.get("profiler") == "measure" else "s (flops model)"
+    print(f"plan       {s.get('name')}: {s.get('status')}, budget {format_bytes(p.budget_bytes)}, predicted peak "
+          f"{format_bytes(pr['peak_bytes'])}, host {format_bytes(pr['host_peak_bytes'])}, time {pr['time']:.4g} {unit} "
+          f"({pr['overhead']:.3f}x)")
+
+    def show(k: int, loss: float, m) -> None:
+        err = (m.peak_bytes - pr["peak_bytes"]) / pr["peak_bytes"] if pr["peak_bytes"] else 0.0
+        print(f"step {k:<5} loss {loss:.6g}  peak {format_bytes(m.peak_bytes)} ({100 * err:+.1f}% of predicted)  "
+              f"time {m.time * 1e3:.4g} ms")
+    rep = run_plan(model, inputs, p, steps=args.steps, device=args.device, lr=args.lr, plain=not args.no_plain,
+                   on_step=show)
+    print(f"measured   peak {format_bytes(rep.peak_bytes)} vs predicted {format_bytes(pr['peak_bytes'])} "
+          f"({100 * rep.peak_error:+.1f}%), budget {format_bytes(p.budget_bytes)}, host {format_bytes(rep.host_peak_bytes)} "
+          f"vs predicted {format_bytes(pr['host_peak_bytes'])}; median step {rep.step_time * 1e3:.4g} ms on {rep.device}")
+    if rep.plain is not None:
+        print(f"plain      autograd steps: peak {format_bytes(rep.plain.peak_bytes)}, time {rep.plain.time * 1e3:.4g} ms; "
+              f"planned/plain time {rep.step_time / rep.plain.time:.2f}x (predicted {pr['overhead']:.2f}x)")
+    return 0
 
 
 def run_trace(args: Any) -> int:
@@ -153,4 +210,4 @@ def run_trace(args: Any) -> int:
     return 0
 
 
-__all__ = ["load_model", "trace_model", "run_trace", "parse_shape"]
+__all__ = ["load_model", "trace_model", "run_trace", "run_run", "parse_shape"]

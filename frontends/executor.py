@@ -57,7 +57,7 @@ from .capture import EAGER, capture
 from .measure import storage_key
 from .profile import release_plan, run_nodes, writes_of
 from .stages import cut
-from .trace import _split_inputs, default_loss
+from .trace import _split_inputs, default_loss, model_fingerprint
 from .transfer import Transfers
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,11 @@ class PlannedStep(torch.nn.Module):
         depth = meta.get("depth") or 1
         mode = "eager" if meta.get("capture") == EAGER else "auto"
         shapes = [list(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if meta.get("model_fingerprint") is not None and meta["model_fingerprint"] != model_fingerprint(model):
+            raise InvalidInputError(
+                f"remat.apply: the plan was made for a model with other parameters or buffers (fingerprint "
+                f"{meta['model_fingerprint']}, this model's is {model_fingerprint(model)}; names, shapes and dtypes "
+                f"are compared): the plan belongs to another model; re-plan (remat.trace, remat.plan)")
         if meta.get("input_shapes") is not None and meta["input_shapes"] != shapes:
             raise InvalidInputError(f"remat.apply: the plan was made for inputs of shapes {meta['input_shapes']}, "
                                     f"these have {shapes}: the plan belongs to another model/batch shape; re-plan")

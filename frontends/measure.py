@@ -16,14 +16,16 @@ allocates.  On CUDA pass ``device="cuda"`` to read the caching allocator's
 """
 from __future__ import annotations
 
+import time
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker", "measure_peak", "storage_key", "storage_bytes", "unique_bytes"]
+__all__ = ["StorageTracker", "measure_peak", "measure", "Measurement", "storage_key", "storage_bytes", "unique_bytes"]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -158,6 +160,41 @@ def measure_peak(step_fn: Callable[[], Any], resident: Iterable[Any] = (), devic
     with tracker:
         step_fn()
     return base + tracker.peak
+
+
+@dataclass
+class Measurement:
+    """One measured step: peak device bytes and wall time (seconds)."""
+    peak_bytes: int
+    time: float
+    device: str
+
+
+def measure(step_fn: Callable[[], Any], device: "str | torch.device | None" = None,
+            resident: Iterable[Any] = ()) -> Measurement:
+    """Peak device bytes and wall time of one call of `step_fn` (``remat.measure``).
+
+    CUDA: ``torch.cuda.max_memory_allocated`` over the call (everything on the device counts;
+    `resident` is ignored) and the time between synchronisations.  CPU: `measure_peak`'s exact
+    accounting of live storages: `resident` tensors (parameters, buffers, inputs, gradients kept
+    from a previous step) plus the peak of what the call allocates; host buffers of swapped-out
+    tensors are not device bytes (the executor takes them outside the accounting).  The time
+    on the CPU includes the accounting's per-op overhead: compare ratios of times measured the
+    same way.
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    box: list[float] = []
+
+    def timed() -> None:
+        t0 = time.perf_counter()
+        step_fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        box.append(time.perf_counter() - t0)
+    peak = measure_peak(timed, resident=resident, device=dev if dev.type == "cuda" else None)
+    return Measurement(int(peak), box[0], str(dev))
 
 
 def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | None = None) -> tuple[int, int]:

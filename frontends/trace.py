@@ -169,6 +169,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         "training": model.training,
         "optimizer": optimizer,
         "fixed_breakdown": breakdown,
+        "model_fingerprint": model_fingerprint(model),
         "bandwidth": bw,
         **bw_meta,
     })
@@ -224,6 +225,17 @@ def _dtype(model: torch.nn.Module, args: tuple, kwargs: dict) -> str:
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             return str(t.dtype).replace("torch.", "")
     return "unknown"
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of the model's parameter and buffer names, shapes and dtypes: what a plan
+    was made for (`remat.apply` refuses a plan whose fingerprint differs)."""
+    import hashlib
+    h = hashlib.sha256()
+    for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, t in items:
+            h.update(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
 
 
 # ---- fixed bytes and bandwidth ---------------------------------------------------------------

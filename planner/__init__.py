@@ -9,7 +9,7 @@ from .plan import Plan, load_plan, plan  # the function `remat.plan`; the module
 __version__ = "0.1.0"
 __all__ = ["Graph", "Node", "Schedule", "Stage", "Op", "simulate", "SimResult",
            "plan", "Plan", "load_plan", "parse_budget", "format_bytes",
-           "RematError", "InvalidInputError", "InfeasibleBudgetError", "SolverError", "trace", "apply"]
+           "RematError", "InvalidInputError", "InfeasibleBudgetError", "SolverError", "trace", "apply", "measure"]
 
 
 def __getattr__(name: str):
@@ -21,4 +21,7 @@ def __getattr__(name: str):
     if name == "apply":
         from remat.frontends.executor import apply
         return apply
+    if name == "measure":
+        from remat.frontends.measure import measure
+        return measure
     raise AttributeError(f"module 'remat' has no attribute {name!r}")

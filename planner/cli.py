@@ -1,4 +1,4 @@
-"""The ``remat`` command line: plan, simulate, sweep, solvers, generate, show.
+"""The ``remat`` command line: plan, trace, run, simulate, sweep, solvers, generate, show.
 
 Exit codes (DESIGN.md, promise 4): 0 ok; 1 runtime failure (`RematError` with exit_code 1, e.g.
 an infeasible budget, or a plan that does not fit its budget); 2 bad input (`InvalidInputError`,
@@ -251,6 +251,17 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return run_trace(args)
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.plan is None and args.budget is None:
+        raise InvalidInputError("remat run: give --plan PLAN.json, or --budget to plan first")
+    if args.plan is not None and args.budget is not None:
+        raise InvalidInputError("remat run: give --plan or --budget, not both")
+    if args.output:
+        _write(args.output, lambda p: None)
+    from remat.frontends.cli import run_run  # imports torch
+    return run_run(args)
+
+
 def _graph_or_model(text: str, progress: bool = True):
     """A GRAPH.json, or a MODEL (zoo name, FILE.py:FACTORY, package.module:FACTORY) traced first
     with the default options of `remat trace`."""
@@ -358,6 +369,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", required=True, metavar="GRAPH.json", help="where to write the graph")
     p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("run", help="train a few steps with a plan; predicted vs measured peak and time",
+                       description="Train MODEL for --steps steps on random batches with a plan (--plan, or "
+                       "--budget to trace and plan first) and print, per step, the measured peak device "
+                       "bytes and time next to the plan's prediction; then one plain autograd step.",
+                       epilog="MODEL: a zoo model, path/to/file.py:FACTORY or package.module:FACTORY; with "
+                       "--plan it defaults to the model the plan was traced from.")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help="zoo name, FILE.py:FACTORY or package.module:FACTORY")
+    p.add_argument("--plan", default=None, metavar="PLAN.json", help="the plan to run")
+    p.add_argument("--budget", default=None, help="plan first at this budget (e.g. 0.5x, 6GiB)")
+    p.add_argument("--solver", default="ilp", help="solver when planning (default ilp)")
+    _add_solver_options(p, 60.0)
+    p.add_argument("--steps", type=_positive_int, default=3, help="training steps to measure (default 3)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: where the model is, the CPU)")
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="SGD learning rate (default 1e-3)")
+    p.add_argument("--batch", type=_positive_int, default=None, help="batch size of the model's example")
+    p.add_argument("--input-shape", default=None, help="one example's shape without the batch, e.g. 3,224,224")
+    p.add_argument("--full", action="store_true", help="zoo models at their published size")
+    p.add_argument("--no-plain", action="store_true", help="skip the plain autograd step")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while tracing")
+    p.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="with --budget: write the plan")
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("simulate", help="re-simulate a plan: peak, time, breakdown, fit",
                        description="Replay a plan's schedule in the simulator and report peak memory, time "

@@ -316,3 +316,80 @@ def test_dtr_plans_run_and_train_as_plain_autograd(solver):
     assert torch.equal(loss, loss_ref)
     for (n, p), q in zip(ref.named_parameters(), mine.parameters()):
         assert torch.allclose(q.grad, p.grad, rtol=1e-6, atol=1e-7), n
+
+
+def test_plan_of_a_model_with_other_parameters_is_refused():
+    # same stages and input shapes, another head: the parameter fingerprint tells them apart
+    model, inputs = _mlp()
+    graph = remat.trace(model, inputs, profile="flops")
+    plan = remat.plan(graph, "1.0x", solver="checkpoint-all")
+    other = copy.deepcopy(model)
+    other.head = nn.Linear(64, 8)
+    with pytest.raises(InvalidInputError, match="other parameters or buffers.*another model; re-plan"):
+        apply(other, plan, inputs)
+
+
+def test_remat_measure_counts_what_a_step_allocates():
+    resident = [torch.zeros(100)]
+    keep = []
+
+    def step():
+        a = torch.ones(1000)            # 4000 B, dies at the end of the step
+        keep.append(torch.ones(250))    # 1000 B, outlives it
+        return (a * 2).sum()            # a second 4000 B while `a` lives, and a scalar
+    m = remat.measure(step)
+    assert m.peak_bytes == 4000 + 1000 + 4000 + 4, m   # `a`, the kept tensor, a * 2, the sum
+    assert m.time > 0 and m.device == "cpu"
+    assert remat.measure(step, resident=resident).peak_bytes == 400 + m.peak_bytes
+
+
+MLP_FACTORY = '''
+import torch, torch.nn as nn
+
+class DropoutMLP(nn.Module):
+    def __init__(self, width=64, layers=6, out=4):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Dropout(0.1))
+                                      for _ in range(layers)])
+        self.head = nn.Linear(width, out)
+
+    def forward(self, x):
+        return self.head(self.layers(x))
+
+def make(batch=32):
+    torch.manual_seed(0)
+    return DropoutMLP(), (torch.randn(batch, 64),)
+
+def other(batch=32):
+    torch.manual_seed(0)
+    return DropoutMLP(out=8), (torch.randn(batch, 64),)
+'''
+
+
+def test_remat_run_plans_trains_and_reports_measured_against_predicted(tmp_path, capsys):
+    import re
+    from remat.cli import main
+    factory = tmp_path / "mlp.py"
+    factory.write_text(MLP_FACTORY)
+    plan_path = tmp_path / "plan.json"
+    # plan first (--budget), at the smallest budget checkpoint-all-with-swaps (TFLMS) reaches
+    rc = main(["run", f"{factory}:make", "--budget", "0.95x", "--solver", "tflms", "--steps", "2", "--no-progress",
+               "-o", str(plan_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    steps = re.findall(r"step (\d+) +loss \S+ +peak .* \(([+-]\d+\.\d)% of predicted\)", out)
+    assert [k for k, _ in steps] == ["1", "2"], out
+    assert all(abs(float(e)) <= 10.0 for _, e in steps), out
+    m = re.search(r"host (\S+ \S+) vs predicted (\S+ \S+);", out)
+    assert m and m.group(1) == m.group(2), out
+    assert "planned/plain time" in out
+    # the plan knows its model: --plan alone rebuilds it and runs the same steps
+    rc = main(["run", "--plan", str(plan_path), "--steps", "1", "--no-plain"])
+    out2 = capsys.readouterr().out
+    assert rc == 0 and "step 1 " in out2 and "plain" not in out2.split("measured")[-1], out2
+    # another model with the same stages and shapes: refused, exit 2, says to re-plan
+    rc = main(["run", f"{factory}:other", "--plan", str(plan_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "another model" in err and "re-plan" in err, err
+    assert main(["run", f"{factory}:make"]) == 2
+    assert "--plan" in capsys.readouterr().err

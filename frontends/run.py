@@ -1,0 +1,139 @@
+"""Train a few steps with a plan and compare what it predicted with what the device did
+(``remat run``, `run_plan`).
+
+Each step draws a fresh random batch shaped like the example (floating tensors ``randn``,
+integer tensors uniform in ``[0, max(example) + 1)``, so token ids stay in the vocabulary), runs
+``loss = planned(*batch); loss.backward(); optimizer.step()`` with plain SGD, and measures the
+step's peak device bytes and wall time with `remat.measure`.  Gradients are zeroed in place
+(``zero_grad(set_to_none=False)``): a plan counts parameter gradients as fixed bytes alive for
+the whole step, and a step that frees them at its start peaks a little lower.  One untimed
+warm-up step comes first (it allocates the gradients and, on CUDA, the pinned host buffers).
+The same accounting then measures as many plain autograd steps, for the ratio of step times
+(on the CPU the accounting's per-op cost is in both times: compare the ratio, not the times).
+The global RNG is seeded with `seed` first, so a run is reproducible.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from remat.errors import InvalidInputError
+from remat.plan import Plan
+
+from .executor import apply
+from .measure import Measurement, measure
+from .trace import _split_inputs, default_loss
+
+log = logging.getLogger(__name__)
+
+__all__ = ["run_plan", "RunReport", "random_batch"]
+
+
+@dataclass
+class RunReport:
+    """Figures of `run_plan`: per planned step (loss, peak bytes, seconds); plain steps."""
+    plan: Plan
+    device: str
+    losses: list[float] = field(default_factory=list)
+    steps: list[Measurement] = field(default_factory=list)
+    plain_steps: list[Measurement] = field(default_factory=list)
+    host_peak_bytes: int = 0
+
+    @property
+    def plain(self) -> Measurement | None:
+        """The plain autograd steps: largest peak, median time (None when not measured)."""
+        if not self.plain_steps:
+            return None
+        return Measurement(max(m.peak_bytes for m in self.plain_steps),
+                           statistics.median(m.time for m in self.plain_steps), self.device)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest measured peak over the steps."""
+        return max(m.peak_bytes for m in self.steps)
+
+    @property
+    def step_time(self) -> float:
+        """Median wall time of a planned step (seconds)."""
+        return statistics.median(m.time for m in self.steps)
+
+    @property
+    def peak_error(self) -> float:
+        """(measured - predicted) / predicted peak."""
+        pred = self.plan.predicted["peak_bytes"]
+        return (self.peak_bytes - pred) / pred if pred else 0.0
+
+
+def random_batch(example: Any, generator: torch.Generator | None = None) -> Any:
+    """A batch shaped like `example` (same structure, shapes, dtypes, devices), freshly drawn."""
+    def draw(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.is_floating_point():
+            return torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+        if x.dtype == torch.bool:
+            return torch.randint(0, 2, x.shape, generator=generator).bool().to(x.device)
+        high = int(x.max().item()) + 1 if x.numel() else 1
+        return torch.randint(0, max(high, 1), x.shape, generator=generator, dtype=x.dtype).to(x.device)
+    return tree_map(draw, example)
+
+
+def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: int = 3,
+             device: "str | torch.device | None" = None, lr: float = 1e-3, loss_fn: Callable | None = None,
+             plain: bool = True, seed: int = 0, on_step: Callable[[int, float, Measurement], None] | None = None
+             ) -> RunReport:
+    """Train `steps` steps of `model` with `plan` on random batches; measure each (see the
+    module docstring).  `device` defaults to where the parameters are; the model and the
+    example move there.  `on_step(k, loss, measurement)` is called after each step."""
+    if not isinstance(steps, int) or steps < 1:
+        raise InvalidInputError(f"--steps: must be a whole number >= 1, got {steps!r}")
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError("--device cuda: no CUDA device is available here; use --device cpu")
+    model.to(dev)
+    model.train()
+    args, kwargs = _split_inputs(example_inputs, None)
+    if kwargs:
+        raise InvalidInputError("remat run: keyword example inputs are not supported; pass positional inputs")
+    args = tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, args)
+    loss_fn = loss_fn or default_loss
+    planned = apply(model, plan, args, loss_fn)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    report = RunReport(plan, str(dev))
+
+    def fixed(batch: tuple) -> list:
+        return (list(model.parameters()) + list(model.buffers()) + tree_flatten(batch)[0]
+                + [p.grad for p in model.parameters() if p.grad is not None])
+
+    for k in range(steps + 1):  # step 0: warm-up
+        batch = random_batch(args, gen)
+        opt.zero_grad(set_to_none=False)
+        box: list[torch.Tensor] = []
+
+        def step() -> None:
+            loss = planned(*batch)
+            loss.backward()
+            box.append(loss.detach())
+        m = measure(step, dev, resident=fixed(batch))
+        opt.step()
+        if k == 0:
+            continue
+        report.losses.append(float(box[0]))
+        report.steps.append(m)
+        report.host_peak_bytes = max(report.host_peak_bytes, planned.host_peak_bytes)
+        if on_step is not None:
+            on_step(k, report.losses[-1], m)
+    for _ in range(steps if plain else 0):
+        batch = random_batch(args, gen)
+        opt.zero_grad(set_to_none=False)
+        report.plain_steps.append(measure(lambda: loss_fn(model(*batch), *batch).backward(), dev,
+                                          resident=fixed(batch)))
+    opt.zero_grad(set_to_none=False)
+    return report
