@@ -393,3 +393,30 @@ def test_remat_run_plans_trains_and_reports_measured_against_predicted(tmp_path,
     assert rc == 2 and "another model" in err and "re-plan" in err, err
     assert main(["run", f"{factory}:make"]) == 2
     assert "--plan" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.py runs the rest)")
+@pytest.mark.parametrize("solver", ["ilp", "tflms"])
+def test_cuda_swap_plan_matches_autograd_and_max_memory_allocated(solver):
+    # the CUDA path: pinned pool, side stream, events, CUDA RNG replay (dropout); sizes large
+    # enough that the caching allocator's 512 B rounding stays far inside the 10 % promise
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = DropoutMLP(width=1024, layers=8).to(dev)
+    inputs = (torch.randn(512, 1024, device=dev),)
+    graph = remat.trace(model, inputs, profile="flops")
+    full = remat.plan(graph, "1.0x", solver="checkpoint-all")
+    plan = _plan_at(graph, _activation_budget(graph, full, 0.4), solver=solver, swap=True, bandwidth=SWAP_BANDWIDTH)
+    assert any(o.op == "swap_out" for o in plan.schedule.ops)
+    ref, mine, planned, loss_ref, loss = _plain_and_planned(model, inputs, plan)
+    torch.cuda.synchronize()
+    assert torch.allclose(loss, loss_ref, rtol=1e-5)
+    for (n, p), q in zip(ref.named_parameters(), mine.parameters()):
+        assert torch.allclose(q.grad, p.grad, rtol=1e-4, atol=1e-6), n
+    mine.zero_grad(set_to_none=False)
+    del ref
+    torch.cuda.empty_cache()
+    peak = measure_peak(lambda: planned(*inputs).backward(), device=dev)
+    predicted = plan.predicted["peak_bytes"]
+    assert abs(peak - predicted) <= PEAK_TOLERANCE * predicted, (peak, predicted)
+    assert planned.host_peak_bytes == plan.predicted["host_peak_bytes"]
