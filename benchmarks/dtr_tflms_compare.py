@@ -33,7 +33,8 @@ SOLVERS = [("ilp", "ilp", {"swap": False}), ("ilp+swap", "ilp", {"swap": True}),
            ("dtr", "dtr", {}), ("dtr-eq", "dtr-eq", {}), ("dtr-local", "dtr-local", {}),
            ("dtr-lru", "dtr-lru", {}), ("dtr-size", "dtr-size", {}), ("dtr-msps", "dtr-msps", {}),
            ("tflms", "tflms", {}), ("chen-greedy", "chen-greedy", {})]
-ZOO_SIZES = {"resnet18": {"batch": 32, "image_size": 64}, "gpt2": {"batch": 8, "seq_len": 128}}
+ZOO_SIZES = {"resnet18": {"batch": 32, "image_size": 64}, "gpt2": {"batch": 8, "seq_len": 128},
+             "mobilenet_v2": {"batch": 32, "image_size": 64}}
 # module depth of the trace: GPT-2's layers as single nodes floor every budget at 0.9x of the
 # peak (one layer's saved tensors); at depth 2 (attention and MLP apart) it goes down to 0.41x
 ZOO_DEPTH = {"gpt2": 2}
