@@ -58,7 +58,7 @@ from .measure import storage_key
 from .profile import release_plan, run_nodes, writes_of
 from .stages import cut
 from .trace import _split_inputs, default_loss, model_fingerprint
-from .transfer import Transfers
+from .transfer import StorageSet, Transfers
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,8 @@ class _HostCopy:
     outputs and saved tensors from them (views: size, stride, offset, dtype)."""
     live: _Live
     buffers: list
-    outputs: list    # (fx node, ("host", slot, size, stride, offset, dtype, requires_grad) | ("ref", input node, size, stride, offset) | ("value", x))
-    handles: list    # (_Saved, slot, size, stride, offset, dtype)
+    outputs: list    # (fx node, ("host", layout, requires_grad) | ("ref", input node, size, stride, offset) | ("value", x))
+    handles: list    # (_Saved, layout); layouts as `StorageSet.add` returns them
 
 
 class _Saved:
@@ -426,15 +426,7 @@ class _Run:
         lv = self.live.get(v)
         if lv is None or lv.outputs is None:
             raise RuntimeError(f"remat.apply: swap_out of {self.step._fns[v].name}, which is not resident")
-        slots: dict[int, int] = {}
-        storages: list = []
-
-        def slot(t: torch.Tensor) -> int:
-            key = storage_key(t)
-            if key not in slots:
-                slots[key] = len(storages)
-                storages.append(t.untyped_storage())
-            return slots[key]
+        moved = StorageSet()
         producer_inputs = {}
         for i in self.step._fns[v].inputs:
             x = self.const.get(i) if i in self.const else None
@@ -455,11 +447,10 @@ class _Run:
                                        "view of a value that is no longer resident")
                 outputs.append((n, ("ref", src, t.size(), t.stride(), t.storage_offset())))
             else:
-                outputs.append((n, ("host", slot(t), t.size(), t.stride(), t.storage_offset(), t.dtype,
-                                    t.requires_grad)))
-        handles = [(h, slot(h.t), h.t.size(), h.t.stride(), h.t.storage_offset(), h.t.dtype) for h in lv.held]
+                outputs.append((n, ("host", moved.add(t), t.requires_grad)))
+        handles = [(h, moved.add(h.t)) for h in lv.held]
         self.wait(v)
-        buffers, event = self.transfers.to_host(storages)
+        buffers, event = self.transfers.to_host(moved.storages)
         self.host[v] = _HostCopy(lv, buffers, outputs, handles)
         self.pending[v] = event
 
@@ -471,9 +462,6 @@ class _Run:
         if self.live.get(v) is lv and lv.outputs is not None:
             raise RuntimeError(f"remat.apply: swap_in of {self.step._fns[v].name}, which is resident")
         storages, event = self.transfers.to_device(hc.buffers)
-
-        def view(slot, size, stride, offset, dtype) -> torch.Tensor:
-            return torch.empty(0, dtype=dtype, device=self.device).set_(storages[slot], offset, size, stride)
         outputs = {}
         for n, how in hc.outputs:
             if how[0] == "value":
@@ -482,10 +470,10 @@ class _Run:
                 _, src, size, stride, offset = how
                 outputs[n] = self.value(src).detach().as_strided(size, stride, offset)
             else:
-                _, k, size, stride, offset, dtype, requires_grad = how
-                outputs[n] = view(k, size, stride, offset, dtype).requires_grad_(requires_grad)
-        for h, k, size, stride, offset, dtype in hc.handles:
-            h.t = view(k, size, stride, offset, dtype)
+                _, layout, requires_grad = how
+                outputs[n] = StorageSet.view(storages, layout, self.device).requires_grad_(requires_grad)
+        for h, layout in hc.handles:
+            h.t = StorageSet.view(storages, layout, self.device)
         lv.outputs = outputs
         self.live[v] = lv
         self.pending[v] = event
@@ -567,6 +555,9 @@ def apply(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any = None
     plan's forward nodes, NotImplementedError for plans that swap a node other than a forward node."""
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
+    if plan.graph.meta.get("granularity") == "joint":  # one node per op of the joint fwd+bwd graph
+        from .joint_executor import apply_joint
+        return apply_joint(model, plan, example_inputs, loss_fn, example_kwargs=example_kwargs)
     return PlannedStep(model, plan, example_inputs, loss_fn, example_kwargs)
 
 

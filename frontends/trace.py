@@ -43,7 +43,7 @@ from .stages import Stage, cut
 
 log = logging.getLogger(__name__)
 
-GRANULARITIES = ("module", "op")
+GRANULARITIES = ("module", "op", "joint")
 PROFILES = ("measure", "flops")
 CAPTURES = ("auto", "export", "eager")
 # optimizer name -> state tensors per trainable parameter
@@ -75,8 +75,9 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         (``example_kwargs`` adds keyword arguments to positional ones).
     loss_fn: ``loss_fn(output, *positional_inputs) -> scalar tensor``; default `default_loss`
         (the sum of every floating-point tensor in the output).
-    granularity: ``"module"`` (one node per call of a module at `depth`; see `stages`) or
-        ``"op"`` (one node per ATen op).
+    granularity: ``"module"`` (one node per call of a module at `depth`; see `stages`),
+        ``"op"`` (one node per ATen op) or ``"joint"`` (one node per allocating ATen op of the
+        joint forward+backward graph; see `joint.trace_joint`, which takes over here).
     profile: ``"measure"`` (times: `warmup` runs, the first of which also counts storages and
         gives the outputs the next nodes consume, then the median of `repeats` timed runs,
         default 5 on CUDA and 3 on a CPU; CUDA events on a GPU, perf_counter elsewhere) or
@@ -100,6 +101,10 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         raise InvalidInputError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
     if profile not in PROFILES:
         raise InvalidInputError(f"profile: expected one of {PROFILES}, got {profile!r}")
+    if granularity == "joint":
+        from .joint import trace_joint
+        return trace_joint(model, example_inputs, loss_fn, profile, device, repeats, warmup=warmup,
+                           example_kwargs=example_kwargs, optimizer=optimizer, name=name, flops_model=flops_model)
     if repeats is not None and (not isinstance(repeats, int) or repeats < 1):
         raise InvalidInputError(f"repeats: must be a whole number >= 1, got {repeats!r}")
     if not isinstance(warmup, int) or warmup < 1:

@@ -24,7 +24,29 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["HostPool", "Transfers"]
+__all__ = ["HostPool", "Transfers", "StorageSet"]
+
+
+class StorageSet:
+    """Tensors gathered by storage for a swap: `add` returns a layout (slot of the storage, size,
+    stride, offset, dtype) and `storages` lists each distinct storage once, so views move with
+    their base; `view` rebuilds a tensor from a layout over copied storages."""
+
+    def __init__(self):
+        self._slots: dict[int, int] = {}
+        self.storages: list = []
+
+    def add(self, t: torch.Tensor) -> tuple:
+        st = t.untyped_storage()
+        slot = self._slots.setdefault(st._cdata, len(self.storages))
+        if slot == len(self.storages):
+            self.storages.append(st)
+        return slot, t.size(), t.stride(), t.storage_offset(), t.dtype
+
+    @staticmethod
+    def view(storages: list, layout: tuple, device: torch.device) -> torch.Tensor:
+        slot, size, stride, offset, dtype = layout
+        return torch.empty(0, dtype=dtype, device=device).set_(storages[slot], offset, size, stride)
 
 
 class HostPool:

@@ -1,0 +1,612 @@
+"""``granularity="joint"``: one graph node per allocating ATen op of the joint forward+backward graph.
+
+`trace_joint(model, example_inputs, loss_fn)` captures ``loss = loss_fn(model(*inputs), *inputs)``
+and its gradient w.r.t. the trainable parameters as ONE functional ATen graph
+(``torch._functorch.aot_autograd.aot_export_module(..., trace_joint=True)``), so backward ops
+and the tensors they read from the forward ("saved tensors") are explicit fx nodes and edges.
+
+Nodes (`JointProgram.groups`; graph node i = group i):
+
+* one node per fx op that allocates a new storage ("head"), found by running the graph once
+  on real tensors under `StorageTracker`; ops that allocate nothing (views, ``getitem``,
+  ``detach``, ``_unsafe_view``...) are merged into the node that owns the storage they alias,
+  so bytes belong to storages (DESIGN.md) and a view never keeps a base alive on its own;
+  views of parameters, buffers and inputs are *static* (no node: evaluated once per step).
+  A non-allocating op that reads values of two nodes becomes a node of its own (0 bytes; a
+  warning is logged: the simulator cannot see that it holds its base's storage);
+* kind ``forward``: the node does not depend (transitively) on the loss; ``loss``: the node
+  that produces the loss value, with the gradient seed folded into it (``ones_like(loss)`` and
+  its views: its bytes are the loss and the seed); ``backward``: everything that depends on the
+  loss (gradient ops).  Backward formulas' parts that read only forward values (no gradient)
+  are ``forward`` nodes, which the solvers may recompute.  Ids: forward nodes (fx order), the
+  loss, backward nodes (fx order): a topological order;
+* edges: data dependencies between nodes (a backward op reading a forward value is a
+  "saved tensor" edge);
+* ``bytes``: storages the node allocates that another node reads (a multi-output op: the sum
+  of those outputs; an unused output, e.g. of ``native_batch_norm_backward``, is workspace);
+  ``workspace_bytes``: the rest of its peak while it runs (on the CPU: storages the op
+  returns but nobody keeps; allocations inside a kernel are invisible, as to `measure_peak`);
+* parameter gradients are fixed bytes (``fixed_bytes``: parameters + gradients + buffers +
+  inputs, `trace.fixed_bytes`), as with module granularity: the node producing one is a
+  backward node whose value is accumulated into ``param.grad`` at once and then dropped, so
+  it counts as that node's *workspace*, not its bytes (unless another node also reads it);
+* buffer mutations (BatchNorm running statistics, ``num_batches_tracked``) are extra outputs
+  of the functional graph: the executor copies them into the buffers once, at the first
+  compute of the node producing them (a recomputation leaves the buffers alone); like
+  parameter gradients, a value only written to a buffer is workspace;
+* random ops (``native_dropout``, ``bernoulli``...; ATen's ``nondeterministic_seeded`` tag):
+  ``extra["random"]=True``; the executor records the RNG state before the first compute and
+  replays it on a recomputation, so the mask is the same;
+* ``time``: ``profile="flops"``: `FlopsModel` (flops / flops_per_s + allocated bytes /
+  bytes_per_s); ``profile="measure"``: median of `repeats` timed runs of the node's ops after
+  `warmup` runs (perf_counter, or CUDA events on a GPU).
+
+The graph's ``meta`` has trace.py's keys (granularity ``"joint"``) plus ``meta["joint"]``:
+the static views and the loss/seed fx names; each node's ``extra["ops"]`` lists its fx nodes'
+names.  `remat.apply` re-captures the model and rebuilds the same nodes from those names
+(nothing is pickled); see `joint_executor`.
+
+Three runs of the graph happen while tracing: grouping (fx order), profiling (node order,
+each value freed after its last consumer: the checkpoint-all schedule) and, with
+``profile="measure"``, timing.  The model's buffers and the RNG state are restored afterwards.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from remat.errors import InvalidInputError
+from remat.graph import Graph, Node
+
+from .capture import CaptureError, quiet_torch_logs
+from .measure import StorageTracker
+from .profile import FlopsModel, Timer, is_random
+
+log = logging.getLogger(__name__)
+
+STATIC = -1            # group id of placeholders and views of them
+CAPTURE_METHOD = "aot_export_module(trace_joint=True)"
+WRAPPER_PREFIX = "model."
+
+
+# ---- capture ----------------------------------------------------------------------------------
+@dataclass
+class JointCapture:
+    """The functional joint graph and what its placeholders and outputs mean."""
+    gm: fx.GraphModule
+    placeholders: dict        # fx node -> ("parameter" | "buffer", FQN) | ("input", flat tensor index)
+    loss: fx.Node             # the user output (the loss value)
+    param_grads: dict         # fx node -> [parameter FQN, ...]: its value is that parameter's gradient
+    buffer_updates: dict      # fx node -> [buffer FQN, ...]: its value is the buffer's new value
+    nodes_by_name: dict = field(default_factory=dict)
+
+
+class _LossModule(torch.nn.Module):
+    """``(loss_fn(model(*args, **kwargs), *args),)``: what aot_export_module differentiates."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any, **kwargs: Any):
+        loss = self.loss_fn(self.model(*args, **kwargs), *args)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise InvalidInputError("loss_fn must return a scalar tensor, got "
+                                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
+        if not loss.requires_grad:
+            raise InvalidInputError("the loss does not depend on a trainable parameter (it does not require grad); "
+                                    "nothing to train")
+        return (loss.reshape(()),)
+
+
+def capture_joint(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable) -> JointCapture:
+    """Capture the joint graph of one training step (see the module docstring).  Raises
+    `InvalidInputError` for a bad loss and `CaptureError` naming the reason when
+    aot_export_module cannot capture the model."""
+    from torch._functorch.aot_autograd import aot_export_module
+
+    wrapper = _LossModule(model, loss_fn)
+    args = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, args)
+    kwargs = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, kwargs)
+    snapshot = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[]), quiet_torch_logs():
+            gm, sig = aot_export_module(wrapper, args, trace_joint=True, output_loss_index=0,
+                                        kwargs=kwargs or None)
+    except InvalidInputError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        inner = e
+        while isinstance(inner.__cause__, InvalidInputError) or isinstance(inner.__context__, InvalidInputError):
+            inner = inner.__cause__ or inner.__context__
+            if isinstance(inner, InvalidInputError):
+                raise inner from None
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise CaptureError(f"joint capture of {type(model).__name__} failed ({CAPTURE_METHOD}): {type(e).__name__}: "
+                           f"{first[:300]}; use granularity 'op' or 'module', which fall back to an eager "
+                           "recording") from e
+    finally:
+        with torch.no_grad():
+            for b, saved in snapshot:
+                b.copy_(saved)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    ph = {}
+    for name, fqn in sig.inputs_to_parameters.items():
+        ph[by_name[name]] = ("parameter", _strip(fqn))
+    for name, fqn in sig.inputs_to_buffers.items():
+        ph[by_name[name]] = ("buffer", _strip(fqn))
+    flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if len(sig.user_inputs) != len(flat):
+        raise CaptureError(f"joint capture: {len(sig.user_inputs)} input placeholders for {len(flat)} input tensors; "
+                           "non-tensor inputs that change the graph are not supported by granularity 'joint'")
+    for k, name in enumerate(sig.user_inputs):
+        ph[by_name[name]] = ("input", k)
+    if sig.user_inputs_to_mutate:
+        raise CaptureError("joint capture: the model writes its inputs in place "
+                           f"({sorted(sig.user_inputs_to_mutate.values())}); not supported by granularity 'joint'")
+    if getattr(sig, "parameters_to_mutate", None):
+        raise CaptureError("joint capture: the model writes its parameters in place; not supported")
+    if len(sig.user_outputs) != 1:
+        raise CaptureError(f"joint capture: expected one user output (the loss), got {len(sig.user_outputs)}")
+    loss = by_name[sig.user_outputs[0]]
+    grads: dict = {}
+    for name, fqn in sig.backward_signature.gradients_to_parameters.items():
+        grads.setdefault(by_name[name], []).append(_strip(fqn))
+    updates: dict = {}
+    for name, fqn in sig.buffers_to_mutate.items():
+        updates.setdefault(by_name[name], []).append(_strip(fqn))
+    for node in list(grads) + list(updates) + [loss]:
+        if node.op != "call_function":
+            raise CaptureError(f"joint capture: output {node.name} is a {node.op}, not an op's value "
+                               "(a parameter whose gradient is an input?); not supported")
+    return JointCapture(gm, ph, loss, grads, updates, by_name)
+
+
+def _strip(fqn: str) -> str:
+    return fqn[len(WRAPPER_PREFIX):] if fqn.startswith(WRAPPER_PREFIX) else fqn
+
+
+def placeholder_values(cap: JointCapture, model: torch.nn.Module, flat_inputs: list) -> dict:
+    """fx placeholder -> the real tensor: the model's parameters and buffers, the call's inputs."""
+    out = {}
+    for n, (kind, what) in cap.placeholders.items():
+        if kind == "parameter":
+            out[n] = model.get_parameter(what)
+        elif kind == "buffer":
+            out[n] = model.get_buffer(what)
+        else:
+            out[n] = flat_inputs[what]
+    return out
+
+
+# ---- the program: nodes as groups of fx ops ---------------------------------------------------
+@dataclass
+class JointProgram:
+    """Graph node i = ``groups[i]`` (fx nodes in fx order; the first allocates).  What running
+    a node needs and leaves: ``keep[i]`` values other nodes read (held until ``free i``),
+    ``sinks[i]`` values that go to a parameter's ``.grad`` or a buffer ("grad" | "buffer", FQN)."""
+    cap: JointCapture
+    groups: list
+    static: list              # fx nodes evaluated once per step (views of placeholders)
+    kinds: list
+    group_of: dict            # fx node -> group id (STATIC for placeholders and static views)
+    preds: list
+    keep: list
+    sinks: list
+    release: list             # per group: {member: [members to drop right after it]}
+    random: list
+    seed: "fx.Node | None"
+    seed_members: list        # members of the loss group computed from the seed (rerun for a grad != 1)
+
+    @property
+    def loss_id(self) -> int:
+        return self.kinds.index("loss")
+
+    def run_static(self, const: dict) -> None:
+        """Add the static views to `const` (placeholder values)."""
+        get = const.__getitem__
+        for n in self.static:
+            const[n] = n.target(*fx.node.map_arg(n.args, get), **fx.node.map_arg(n.kwargs, get))
+
+    def run(self, g: int, lookup: Callable[[fx.Node], Any], start: dict | None = None,
+            members: list | None = None) -> dict:
+        """Run node g's ops (or only `members`) on values from `lookup` (other nodes' kept values,
+        statics); members already in `start` are not run.  Returns {fx node: value} for
+        ``keep[g]`` and the sink values; everything else is dropped as soon as it is not needed."""
+        local: dict = dict(start or {})
+        rel = self.release[g]
+
+        def get(x: fx.Node) -> Any:
+            return local[x] if x in local else lookup(x)
+        for n in (self.groups[g] if members is None else members):
+            if n in local:
+                continue
+            local[n] = n.target(*fx.node.map_arg(n.args, get), **fx.node.map_arg(n.kwargs, get))
+            for d in rel.get(n, ()):
+                local.pop(d, None)
+        return local
+
+
+def build_program(cap: JointCapture, groups: list, static: list, order_kinds: list | None = None) -> JointProgram:
+    """The `JointProgram` of `groups` (fx nodes per graph node, in node order) and `static`."""
+    group_of: dict = {n: STATIC for n in cap.placeholders}
+    for n in static:
+        group_of[n] = STATIC
+    for g, members in enumerate(groups):
+        for n in members:
+            group_of[n] = g
+    missing = [n.name for n in cap.gm.graph.nodes if n.op == "call_function" and n not in group_of]
+    if missing:
+        raise InvalidInputError(f"joint graph: ops {missing[:5]} belong to no node; re-trace the model")
+    preds, keep, sinks, release, random = [], [], [], [], []
+    for g, members in enumerate(groups):
+        mine = set(members)
+        ps = []
+        for n in members:
+            for i in n.all_input_nodes:
+                p = group_of[i]
+                if p != STATIC and p != g and p not in ps:
+                    ps.append(p)
+                if p != STATIC and p > g and i not in mine:
+                    raise InvalidInputError(f"joint graph: node {g} reads {i.name} of a later node {p}; re-trace")
+        preds.append(sorted(ps))
+        kept = [n for n in members if n is cap.loss or any(group_of[u] != g for u in n.users if u.op != "output")]
+        sink = [(n, "grad", fqn) for n in members for fqn in cap.param_grads.get(n, [])]
+        sink += [(n, "buffer", fqn) for n in members for fqn in cap.buffer_updates.get(n, [])]
+        keep.append(kept)
+        sinks.append(sink)
+        held = set(kept) | {n for n, _, _ in sink}
+        last: dict = {}
+        for n in members:
+            for i in n.all_input_nodes:
+                if i in mine:
+                    last[i] = n
+        rel: dict = {}
+        for n in members:
+            if n not in held:
+                rel.setdefault(last.get(n, n), []).append(n)
+        release.append(rel)
+        random.append(any(_random(n) for n in members))
+    kinds = order_kinds or _kinds(cap, groups, group_of, preds)
+    loss_g = kinds.index("loss")
+    seed = next((n for n in groups[loss_g] if n.op == "call_function" and n is not cap.loss
+                 and _is_seed(n, cap.loss)), None)
+    seed_members: list = []
+    if seed is not None:
+        dep = {seed}
+        for n in groups[loss_g]:
+            if n is seed or any(i in dep for i in n.all_input_nodes):
+                dep.add(n)
+                seed_members.append(n)
+    return JointProgram(cap, groups, list(static), kinds, group_of, preds, keep, sinks, release, random, seed,
+                        seed_members)
+
+
+def _is_seed(n: fx.Node, loss: fx.Node) -> bool:
+    name = getattr(n.target, "__name__", str(n.target))
+    return name.startswith(("ones_like", "full_like")) and n.args and n.args[0] is loss
+
+
+def _random(n: fx.Node) -> bool:
+    if is_random(n):
+        return True
+    name = getattr(n.target, "__name__", "")
+    return ("dropout" in name and "backward" not in name) or "bernoulli" in name
+
+
+def _kinds(cap: JointCapture, groups: list, group_of: dict, preds: list) -> list:
+    loss_g = group_of[cap.loss]
+    after_loss = set()
+    for g in range(len(groups)):
+        if g == loss_g or any(p in after_loss or p == loss_g for p in preds[g]):
+            after_loss.add(g)
+    return ["loss" if g == loss_g else "backward" if g in after_loss else "forward" for g in range(len(groups))]
+
+
+# ---- pass 1: which ops allocate, which alias ----------------------------------------------------
+def discover_groups(cap: JointCapture, const: dict) -> tuple[list, list, list]:
+    """Run the joint graph once in fx order on real tensors; return (groups in node order,
+    static fx nodes, kinds in node order).  See the module docstring for the rules."""
+    nodes = list(cap.gm.graph.nodes)
+    last_use = {}
+    for n in nodes:
+        for i in n.all_input_nodes:
+            last_use[i] = n
+    tracker = StorageTracker()
+    tracker.ignore(const.values())
+    env = dict(const)
+    group_of: dict = {n: STATIC for n in const}
+    owner: dict = {}              # storage uid -> group
+    groups: list = []             # in fx order of their first op
+    static: list = []
+    with torch.no_grad(), tracker:
+        for n in nodes:
+            if n.op != "call_function":
+                continue
+            before = tracker._next_uid
+            get = env.__getitem__
+            out = n.target(*fx.node.map_arg(n.args, get), **fx.node.map_arg(n.kwargs, get))
+            env[n] = out
+            new = range(before, tracker._next_uid)
+            ins = {group_of[i] for i in n.all_input_nodes} - {STATIC}
+            if len(new):
+                g = len(groups)
+                groups.append([n])
+                for uid in new:
+                    owner[uid] = g
+            else:
+                tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                owners = {owner.get(tracker.uid(t), STATIC) for t in tensors} - {STATIC}
+                if not owners and not ins:
+                    g = STATIC
+                    static.append(n)
+                elif len(owners | ins) == 1:
+                    g = next(iter(owners | ins))
+                    groups[g].append(n)
+                else:
+                    g = len(groups)
+                    groups.append([n])
+                    log.warning("joint graph: %s (%s) allocates nothing but reads values of nodes %s; it becomes a "
+                                "0-byte node of its own, which keeps its base's storage alive unseen by the plan",
+                                n.name, n.target, sorted(owners | ins))
+            group_of[n] = g
+            for i in n.all_input_nodes:
+                if last_use.get(i) is n and i not in const:
+                    env.pop(i, None)
+            if n not in last_use and n is not cap.loss:
+                env.pop(n, None)
+    del env
+    # the gradient seed (ones_like(loss) and its views) folds into the loss node
+    loss_g = group_of[cap.loss]
+    for g in range(loss_g + 1, len(groups)):
+        if groups[g] and _is_seed(groups[g][0], cap.loss):
+            groups[loss_g].extend(groups[g])
+            for n in groups[g]:
+                group_of[n] = loss_g
+            groups[g] = []
+    keep = [g for g in range(len(groups)) if groups[g]]
+    groups = [groups[g] for g in keep]
+    for g, members in enumerate(groups):
+        members.sort(key=nodes.index)
+        for n in members:
+            group_of[n] = g
+    preds = [sorted({group_of[i] for n in m for i in n.all_input_nodes} - {STATIC, g}) for g, m in enumerate(groups)]
+    kinds = _kinds(cap, groups, group_of, preds)
+    order = ([g for g, k in enumerate(kinds) if k == "forward"] + [kinds.index("loss")]
+             + [g for g, k in enumerate(kinds) if k == "backward"])
+    return [groups[g] for g in order], static, [kinds[g] for g in order]
+
+
+# ---- pass 2 and 3: bytes, workspace, flops, time --------------------------------------------------
+@dataclass
+class NodeProfile:
+    bytes: int = 0
+    workspace: int = 0
+    alloc_bytes: int = 0
+    flops: int = 0
+    time: float = 0.0
+
+
+def _last_consumer(prog: JointProgram) -> list:
+    last = list(range(len(prog.groups)))
+    for g, ps in enumerate(prog.preds):
+        for p in ps:
+            last[p] = max(last[p], g)
+    return last
+
+
+def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: bool, device: torch.device,
+                    warmup: int, repeats: int) -> list[NodeProfile]:
+    """Run the program in node order (checkpoint-all: each value freed after its last consumer)
+    under `StorageTracker`; per node its bytes, workspace, flops; then, with `measure_time`, a
+    second run timing each node."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    n = len(prog.groups)
+    profs = [NodeProfile() for _ in range(n)]
+    last = _last_consumer(prog)
+    frees: list = [[] for _ in range(n)]
+    for g in range(n):
+        frees[last[g]].append(g)
+    tracker = StorageTracker(record_events=True)
+    tracker.ignore(const.values())
+    values: dict = {}
+
+    def lookup(x: fx.Node) -> Any:
+        g = prog.group_of[x]
+        return const[x] if g == STATIC else values[g][x]
+    with torch.no_grad(), tracker:
+        for g in range(n):
+            m0 = tracker.mark()
+            counter = FlopCounterMode(display=False) if flops else None
+            if counter is not None:
+                with counter:
+                    local = prog.run(g, lookup)
+            else:
+                local = prog.run(g, lookup)
+            for node, _, _ in prog.sinks[g]:      # to .grad or a buffer at once (not applied here)
+                if node not in prog.keep[g]:
+                    local.pop(node, None)
+            values[g] = local
+            kept = sum(tracker.new_live(m0).values())
+            p = profs[g]
+            p.bytes = kept
+            p.workspace = max(0, tracker.peak_between(m0) - kept)
+            p.alloc_bytes = sum(d for _, d in tracker.events[m0:] if d > 0)
+            p.flops = counter.get_total_flops() if counter is not None else 0
+            del local
+            for f in frees[g]:
+                values.pop(f, None)
+    values.clear()
+    if measure_time:
+        timer = Timer(device)
+        with torch.no_grad():
+            for g in range(n):
+                for _ in range(warmup):
+                    prog.run(g, lookup)
+                times = []
+                for _ in range(repeats):
+                    a = timer.mark()
+                    prog.run(g, lookup)
+                    times.append(timer.seconds(a, timer.mark()))
+                values[g] = prog.run(g, lookup)
+                profs[g].time = statistics.median(times)
+                for f in frees[g]:
+                    values.pop(f, None)
+        values.clear()
+    return profs
+
+
+# ---- trace ------------------------------------------------------------------------------------------
+def trace_joint(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None = None, profile: str = "flops",
+                device: "str | torch.device | None" = None, repeats: int | None = None, *, warmup: int = 1,
+                example_kwargs: dict | None = None, optimizer: str | None = None, name: str | None = None,
+                flops_model: FlopsModel | None = None) -> Graph:
+    """Trace and profile one training step of `model` as a joint forward+backward op graph.
+
+    Arguments as `remat.trace` (which calls this for ``granularity="joint"``); `profile` is
+    ``"flops"`` (deterministic, the default here) or ``"measure"``.  Returns a `Graph` whose
+    nodes are described in the module docstring.  Raises `InvalidInputError` for bad input and
+    `CaptureError` when aot_export_module cannot capture the model (the message says why).
+    """
+    from .trace import (DEFAULT_REPEATS, OPTIMIZER_STATE, _batch, _dtype, _resolve_device, _split_inputs,
+                        default_loss, fixed_bytes, host_device_bandwidth, model_fingerprint)
+    t_start = time.perf_counter()
+    if profile not in ("measure", "flops"):
+        raise InvalidInputError(f"profile: expected 'measure' or 'flops', got {profile!r}")
+    if repeats is not None and (not isinstance(repeats, int) or repeats < 1):
+        raise InvalidInputError(f"repeats: must be a whole number >= 1, got {repeats!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise InvalidInputError(f"warmup: must be a whole number >= 0, got {warmup!r}")
+    if optimizer is not None and optimizer not in OPTIMIZER_STATE:
+        raise InvalidInputError(f"optimizer: unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATE)}")
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidInputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise InvalidInputError("model: no parameter requires grad; nothing to train")
+    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    dev = _resolve_device(model, device)
+    if repeats is None:
+        repeats = DEFAULT_REPEATS.get(dev.type, DEFAULT_REPEATS["cpu"])
+    if device is not None:
+        model.to(dev)
+    args, kwargs = tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    loss = loss_fn or default_loss
+    model_name = name or type(model).__name__
+    fm = flops_model or FlopsModel()
+    flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+
+    t0 = time.perf_counter()
+    cap = capture_joint(model, args, kwargs, loss)
+    t_capture = time.perf_counter() - t0
+    snapshot = [(b, b.detach().clone()) for b in model.buffers()]
+    t0 = time.perf_counter()
+    try:
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            const = placeholder_values(cap, model, flat)
+            groups, static, kinds = discover_groups(cap, const)
+            prog = build_program(cap, groups, static, kinds)
+            prog.run_static(const)
+            profs = profile_program(prog, const, profile == "flops", profile == "measure", dev, warmup, repeats)
+    except (InvalidInputError, CaptureError):
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise CaptureError(f"running the joint graph of {model_name} failed: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    finally:
+        with torch.no_grad():
+            for b, saved in snapshot:
+                b.copy_(saved)
+    t_profile = time.perf_counter() - t0
+    fixed, breakdown = fixed_bytes(model, args, kwargs, optimizer)
+    bw, bw_meta = host_device_bandwidth(dev)
+    nodes = []
+    for g, (members, kind, p) in enumerate(zip(prog.groups, prog.kinds, profs)):
+        head = members[0]
+        t = fm.time(p.flops, p.alloc_bytes) if profile == "flops" else p.time
+        extra: dict = {"ops": [n.name for n in members],
+                       "op": str(getattr(head.target, "__name__", head.target))}
+        if profile == "flops":
+            extra["flops"] = p.flops
+        if prog.random[g]:
+            extra["random"] = True
+        grads = [fqn for _, k, fqn in prog.sinks[g] if k == "grad"]
+        bufs = [fqn for _, k, fqn in prog.sinks[g] if k == "buffer"]
+        if grads:
+            extra["param_grads"] = grads
+        if bufs:
+            extra["mutates"] = bufs
+        node_name = "loss" if kind == "loss" else head.name
+        nodes.append(Node(g, node_name, kind, float(t), int(p.bytes), int(p.workspace), extra))
+    edges = [(p, g) for g, ps in enumerate(prog.preds) for p in ps]
+    meta = {
+        "model": model_name,
+        "batch": _batch(args, kwargs),
+        "input_shapes": [list(t.shape) for t in flat],
+        "dtype": _dtype(model, args, kwargs),
+        "device": str(dev),
+        "torch": torch.__version__,
+        "profiler": profile,
+        "profile_options": ({"repeats": repeats, "warmup": warmup, "timer": Timer(dev).name, "statistic": "median"}
+                            if profile == "measure" else
+                            {"flops_per_s": fm.flops_per_s, "bytes_per_s": fm.bytes_per_s,
+                             "formula": "flops / flops_per_s + allocated bytes / bytes_per_s"}),
+        "granularity": "joint",
+        "depth": None,
+        "capture": CAPTURE_METHOD,
+        "backward_edges": "saved",
+        "capture_notes": [],
+        "loss": getattr(loss, "__name__", type(loss).__name__),
+        "training": model.training,
+        "optimizer": optimizer,
+        "fixed_breakdown": breakdown,
+        "model_fingerprint": model_fingerprint(model),
+        "bandwidth": bw,
+        **bw_meta,
+        "rng_nodes": [g for g in range(len(nodes)) if prog.random[g]],
+        "buffer_mutations": {nodes[g].name: [f for _, k, f in prog.sinks[g] if k == "buffer"]
+                             for g in range(len(nodes)) if any(k == "buffer" for _, k, _ in prog.sinks[g])},
+        "joint": {"static": [n.name for n in prog.static], "loss": cap.loss.name,
+                  "seed": prog.seed.name if prog.seed is not None else None,
+                  "fx_ops": sum(1 for n in cap.gm.graph.nodes if n.op == "call_function")},
+    }
+    graph = Graph(nodes, edges, fixed, meta)
+    total = time.perf_counter() - t_start
+    graph.meta["trace_seconds"] = {"capture": round(t_capture, 4), "profile": round(t_profile, 4),
+                                   "total": round(total, 4)}
+    log.info("traced %s (joint): %d fx ops -> %d nodes (%d forward, %d backward), fixed %d bytes, %.2f s",
+             model_name, graph.meta["joint"]["fx_ops"], graph.n, kinds.count("forward"), kinds.count("backward"),
+             fixed, total)
+    return graph
+
+
+def program_from_graph(cap: JointCapture, graph: Graph) -> JointProgram:
+    """Rebuild a traced graph's `JointProgram` on a fresh capture, by fx node names; raises
+    `InvalidInputError` (re-plan) when the capture has other ops."""
+    by_name = cap.nodes_by_name
+    jmeta = graph.meta.get("joint") or {}
+    try:
+        groups = [[by_name[name] for name in v.extra["ops"]] for v in graph.nodes]
+        static = [by_name[name] for name in jmeta.get("static", [])]
+    except KeyError as e:
+        raise InvalidInputError(f"remat.apply: the model's joint graph has no op {e.args[0]!r} that the plan names: "
+                                "the plan belongs to another model/batch shape or torch version; re-plan "
+                                "(remat.trace(..., granularity='joint'), remat.plan)") from None
+    ops = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
+    covered = sum(len(m) for m in groups) + len(static)
+    if covered != len(ops) or jmeta.get("loss") not in (None, cap.loss.name):
+        raise InvalidInputError(f"remat.apply: the model's joint graph has {len(ops)} ops, the plan covers {covered} "
+                                "(or names another loss): the plan belongs to another model/batch shape; re-plan")
+    return build_program(cap, groups, static, [v.kind for v in graph.nodes])
+
+
+__all__ = ["trace_joint", "capture_joint", "JointCapture", "JointProgram", "build_program", "discover_groups",
+           "profile_program", "program_from_graph", "placeholder_values", "CAPTURE_METHOD"]

@@ -1,0 +1,329 @@
+"""Run a plan over a joint forward+backward graph (``granularity="joint"``, see `joint`).
+
+``planned = remat.apply(model, plan, inputs)`` (which dispatches here when
+``plan.graph.meta["granularity"] == "joint"``, or `apply_joint` directly) returns a module;
+``loss = planned(*inputs); loss.backward()`` then trains as plain autograd would: the loss is
+``loss_fn(model(*inputs), *inputs)`` (the plan's loss function, default `default_loss`) and the
+backward *adds* each parameter's gradient into ``param.grad`` (setting it when it is None), as
+autograd's gradient accumulation does.  Buffers (BatchNorm running statistics) are updated once.
+
+How: the model's joint graph is captured again (aot_export_module, as `trace_joint` did; nothing
+is pickled) and cut into the plan's nodes by the fx op names each node lists (``extra["ops"]``);
+the plan must match (model fingerprint, input shapes, op names), else `InvalidInputError`
+(re-plan).  The whole step is one ``torch.autograd.Function``: its forward interprets the
+plan's ops up to and including ``compute loss``, its backward the rest.  No autograd graph is
+built: every ATen op runs under ``torch.no_grad()`` on values held in an environment:
+
+* ``compute i``: run node i's ATen ops on its inputs' values (which must be resident) and
+  keep the values other nodes read; a recomputation runs them again, random nodes with the RNG
+  state recorded before their first compute (CPU, and the device's generator on CUDA);
+* at the *first* compute of a node, its parameter gradients are accumulated into ``.grad``
+  and its buffer updates copied into the buffers (in place, no extra memory); a value used for
+  nothing else is dropped at once (the plan counts it as the node's workspace).  A later
+  recomputation that reads such a buffer sees the updated value: harmless for BatchNorm in
+  training mode (its normalisation and backward use the batch statistics); for anything else
+  a warning is logged;
+* ``free i``: drop node i's values (its storages die unless another resident value is a view
+  of them, which the grouping rules out);
+* the loss node holds the loss and the gradient seed ``ones_like(loss)``; the backward
+  replaces the seed with the incoming gradient (so ``(2 * loss).backward()`` or a gradient
+  scaler work);
+* ``swap_out i``: start copying node i's values, storage by storage, to host buffers
+  (`transfer.Transfers`: a reused pinned pool, a side stream and events on CUDA; synchronous
+  and outside the device accounting on the CPU); ``free i`` then drops the device copies;
+  ``swap_in i`` allocates device storages, starts the copies back and rebuilds the values as
+  views of them; ``wait i`` (or the first use of i) makes the compute stream wait.  Only
+  forward nodes are swapped (the solvers' rule); host copies live until the step ends.
+
+In eval mode or under ``torch.no_grad()`` the plain model runs.  On the CPU the measured peak
+(`measure_peak` with parameters, buffers, inputs and gradients resident) is the plan's predicted
+peak up to a few bytes (the loss tensor handed to the caller and autograd's own ``ones_like``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from remat.errors import InvalidInputError
+from remat.plan import Plan
+
+from .joint import STATIC, JointProgram, capture_joint, placeholder_values, program_from_graph
+from .transfer import StorageSet, Transfers
+
+log = logging.getLogger(__name__)
+
+SWAP_MESSAGE = ("joint granularity: the plan swaps node {node} ({name}), a {kind} node; the executor swaps forward "
+                "nodes only: re-plan with remat's solvers, which keep to that rule")
+
+
+class PlannedJointStep(torch.nn.Module):
+    """``planned(*inputs) -> loss`` that runs `plan`'s ops over the joint graph; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, example_inputs: Any = None, loss_fn: Callable | None = None,
+                 example_kwargs: dict | None = None):
+        super().__init__()
+        from .trace import _split_inputs, default_loss
+        if plan.graph.meta.get("granularity") != "joint":
+            raise InvalidInputError("remat.apply: the plan's graph is not a joint graph (granularity "
+                                    f"{plan.graph.meta.get('granularity')!r}); use remat.frontends.executor.apply")
+        for o in plan.schedule.ops:
+            v = plan.graph.nodes[o.node]
+            if o.op in ("swap_out", "swap_in") and v.kind != "forward":
+                raise NotImplementedError(SWAP_MESSAGE.format(node=o.node, name=v.name, kind=v.kind))
+        self._transfers: Transfers | None = None
+        self.model = model
+        self.plan = plan
+        self.loss_fn = loss_fn or default_loss
+        # called after every op of the plan with (op, index): a probe for tests and tools
+        self.on_op: Callable | None = None
+        self._ready = False
+        if example_inputs is not None or example_kwargs is not None:
+            self._prepare(*_split_inputs(example_inputs, example_kwargs))
+
+    def _prepare(self, args: tuple, kwargs: dict) -> None:
+        from .trace import model_fingerprint
+        model, graph = self.model, self.plan.graph
+        meta = graph.meta
+        shapes = [list(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if meta.get("model_fingerprint") is not None and meta["model_fingerprint"] != model_fingerprint(model):
+            raise InvalidInputError(
+                f"remat.apply: the plan was made for a model with other parameters or buffers (fingerprint "
+                f"{meta['model_fingerprint']}, this model's is {model_fingerprint(model)}): re-plan "
+                "(remat.trace(..., granularity='joint'), remat.plan)")
+        if meta.get("input_shapes") is not None and meta["input_shapes"] != shapes:
+            raise InvalidInputError(f"remat.apply: the plan was made for inputs of shapes {meta['input_shapes']}, "
+                                    f"these have {shapes}: re-plan for this batch shape")
+        cap = capture_joint(model, args, kwargs, self.loss_fn)
+        self._prog: JointProgram = program_from_graph(cap, graph)
+        self._shapes = shapes
+        loss_id = self._prog.loss_id
+        ops = self.plan.schedule.ops
+        split = next((k for k, o in enumerate(ops) if o.op == "compute" and o.node == loss_id), None)
+        if split is None:
+            raise InvalidInputError("remat.apply: the plan never computes the loss node")
+        self._fwd_ops, self._bwd_ops = ops[:split + 1], ops[split + 1:]
+        self._ready = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not self.model.training:
+            return self.loss_fn(self.model(*args, **kwargs), *args)
+        if not self._ready:  # no example inputs given: the first batch is the example
+            self._prepare(args, kwargs)
+        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        shapes = [list(t.shape) for t in flat]
+        if shapes != self._shapes:
+            raise InvalidInputError(f"remat.apply: the plan was made for inputs of shapes {self._shapes}, got "
+                                    f"{shapes}; re-plan for this batch shape")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise InvalidInputError("remat.apply: the model has no parameter that requires grad")
+        if self._transfers is None or self._transfers.device != params[0].device:
+            self._transfers = Transfers(params[0].device)
+        run = _JointRun(self, [t.detach() for t in flat], self._transfers)
+        return _JointStep.apply(run, *params)
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """Host bytes the last step's swap-outs held (the plan's predicted host_peak_bytes)."""
+        return self._transfers.pool.peak if self._transfers is not None else 0
+
+
+class _JointRun:
+    """The state of one step: resident values per node, RNG states, what has been applied."""
+
+    def __init__(self, step: PlannedJointStep, flat_inputs: list, transfers: Transfers):
+        self.step = step
+        self.prog: JointProgram = step._prog
+        self.model = step.model
+        self.transfers = transfers
+        self.device = transfers.device
+        transfers.pool.reset_peak()
+        self.host: dict[int, tuple] = {}       # swapped-out node -> (host buffers, value layouts)
+        self.pending: dict[int, Any] = {}      # node -> event of its last transfer not yet waited for
+        self.const: dict = placeholder_values(self.prog.cap, step.model, flat_inputs)
+        with torch.no_grad():
+            self.prog.run_static(self.const)
+        self.values: dict[int, dict] = {}
+        self.rng: dict[int, tuple] = {}
+        self.computed: set[int] = set()
+        self.updated: set[str] = set()     # buffers updated this step
+        self.warned: set[int] = set()
+        self.loss_value: torch.Tensor | None = None
+
+    def lookup(self, x: fx.Node) -> Any:
+        g = self.prog.group_of[x]
+        if g == STATIC:
+            return self.const[x]
+        self.wait(g)
+        vals = self.values.get(g)
+        if vals is None or x not in vals:
+            raise RuntimeError(f"remat.apply: {x.name} (a value of node {g}, {self.step.plan.graph.nodes[g].name}) is "
+                               "needed but not resident: the plan does not follow the graph's edges")
+        return vals[x]
+
+    def run_op(self, op) -> None:
+        if op.op == "compute":
+            self.compute(op.node)
+        elif op.op == "free":
+            self.values.pop(op.node, None)
+        elif op.op == "swap_out":
+            self.swap_out(op.node)
+        elif op.op == "swap_in":
+            self.swap_in(op.node)
+        elif op.op == "wait":
+            self.wait(op.node)
+        else:
+            raise RuntimeError(f"remat.apply: unknown op {op.op!r}")
+
+    # ---- swaps -----------------------------------------------------------------------------
+    def swap_out(self, g: int) -> None:
+        vals = self.values.get(g)
+        if vals is None:
+            raise RuntimeError(f"remat.apply: swap_out of node {g}, which is not resident")
+        moved = StorageSet()
+        layout = {n: ("host", moved.add(t)) if isinstance(t, torch.Tensor) else ("value", t) for n, t in vals.items()}
+        self.wait(g)
+        buffers, event = self.transfers.to_host(moved.storages)
+        self.host[g] = (buffers, layout)
+        self.pending[g] = event
+
+    def swap_in(self, g: int) -> None:
+        if g not in self.host:
+            raise RuntimeError(f"remat.apply: swap_in of node {g}, which has no host copy")
+        if g in self.values:
+            raise RuntimeError(f"remat.apply: swap_in of node {g}, which is resident")
+        buffers, layout = self.host[g]
+        storages, event = self.transfers.to_device(buffers)
+        self.values[g] = {n: StorageSet.view(storages, how[1], self.device) if how[0] == "host" else how[1]
+                          for n, how in layout.items()}
+        self.pending[g] = event
+
+    def wait(self, g: int) -> None:
+        """The compute stream waits for g's last transfer (``wait g``, or before a use of g)."""
+        if g in self.pending:
+            self.transfers.wait(self.pending.pop(g))
+
+    def compute(self, g: int) -> None:
+        prog = self.prog
+        if g in self.values:
+            raise RuntimeError(f"remat.apply: node {g} is computed while resident: the plan is not valid")
+        first = g not in self.computed
+        if not first and self.updated:
+            self._check_buffer_reads(g)
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.no_grad():
+            if prog.random[g] and not first:
+                with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+                    torch.set_rng_state(self.rng[g][0])
+                    for d, state in zip(cuda, self.rng[g][1:]):
+                        torch.cuda.set_rng_state(state, d)
+                    local = prog.run(g, self.lookup)
+            else:
+                if prog.random[g]:
+                    self.rng[g] = (torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda))
+                local = prog.run(g, self.lookup)
+            kept = set(prog.keep[g])
+            for node, what, fqn in prog.sinks[g]:
+                if first:
+                    self._apply_sink(local[node], what, fqn, stealable=node not in kept)
+                if node not in kept:
+                    local.pop(node, None)
+        self.computed.add(g)
+        self.values[g] = local
+        if g == prog.loss_id:
+            self.loss_value = local[prog.cap.loss]
+
+    def _check_buffer_reads(self, g: int) -> None:
+        """A recomputation reads a buffer this step already updated: it sees the new value.  Harmless
+        for BatchNorm in training mode (its output and backward use the batch statistics; only the
+        running-statistics outputs differ, and they are applied once); said once otherwise."""
+        for n in self.prog.groups[g]:
+            if "batch_norm" in str(n.target):
+                continue
+            hit = [i for i in n.all_input_nodes if self.prog.cap.placeholders.get(i, ("", ""))[1] in self.updated
+                   and self.prog.cap.placeholders[i][0] == "buffer"]
+            if hit and g not in self.warned:
+                self.warned.add(g)
+                log.warning("joint executor: recomputing %s reads buffer %s after this step updated it; the "
+                            "recomputation sees the updated value", n.name, self.prog.cap.placeholders[hit[0]][1])
+
+    def _apply_sink(self, value: torch.Tensor, what: str, fqn: str, stealable: bool) -> None:
+        if what == "buffer":
+            self.model.get_buffer(fqn).copy_(value)
+            self.updated.add(fqn)
+            return
+        p = self.model.get_parameter(fqn)
+        if p.grad is not None:
+            p.grad.add_(value)       # autograd's accumulation: in place into the existing gradient
+        elif (stealable and value.stride() == p.stride() and value.storage_offset() == 0
+              and value.untyped_storage().nbytes() == value.numel() * value.element_size()):
+            p.grad = value.detach()  # the new gradient becomes .grad, as autograd does
+        else:
+            p.grad = torch.empty_like(p).copy_(value)
+
+    def reseed(self, grad_loss: torch.Tensor) -> None:
+        """Put the incoming gradient of the loss where the graph has ``ones_like(loss)``."""
+        prog = self.prog
+        L = prog.loss_id
+        vals = self.values.get(L)
+        if prog.seed is None or vals is None:
+            if not bool((grad_loss == 1).all()):
+                raise NotImplementedError("joint granularity: the loss's gradient is not 1 and the joint graph has no "
+                                          "ones_like(loss) seed to replace")
+            return
+        seed = grad_loss.detach().reshape(self.loss_value.shape).to(self.loss_value.dtype).contiguous()
+        with torch.no_grad():
+            start = {n: v for n, v in vals.items() if n not in prog.seed_members}
+            start[prog.seed] = seed
+            local = prog.run(L, self.lookup, start, members=prog.seed_members)
+        kept = set(prog.keep[L])
+        self.values[L] = {n: v for n, v in local.items() if n in kept}
+
+    def end(self) -> None:
+        self.values.clear()
+        self.const.clear()
+        self.host.clear()
+        self.pending.clear()
+        self.loss_value = None
+        self.transfers.end_step()
+
+
+class _JointStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: _JointRun, *params):
+        for k, op in enumerate(run.step._fwd_ops):
+            run.run_op(op)
+            if run.step.on_op is not None:
+                run.step.on_op(op, k)
+        ctx.run = run
+        return run.loss_value.detach()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        run: _JointRun = ctx.run
+        ctx.run = None
+        run.reseed(grad_loss)
+        first = len(run.step._fwd_ops)
+        for k, op in enumerate(run.step._bwd_ops):
+            run.run_op(op)
+            if run.step.on_op is not None:
+                run.step.on_op(op, first + k)
+        run.end()
+        return (None,) * len(ctx.needs_input_grad)
+
+
+def apply_joint(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any = None,
+                loss_fn: Callable | None = None, *, example_kwargs: dict | None = None) -> PlannedJointStep:
+    """`remat.apply` for a plan over a joint graph: a module whose call runs one training step of
+    `model` as `plan` says (see the module docstring).  Raises `InvalidInputError` when the plan
+    belongs to another model or batch shape, NotImplementedError for plans with swap ops."""
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    return PlannedJointStep(model, plan, example_inputs, loss_fn, example_kwargs)
+
+
+__all__ = ["apply_joint", "PlannedJointStep", "SWAP_MESSAGE"]
