@@ -12,7 +12,6 @@ Markdown table and writes benchmarks/out/apply_peaks.csv.
 """
 from __future__ import annotations
 
-import copy
 import csv
 import sys
 from pathlib import Path
@@ -20,33 +19,12 @@ from pathlib import Path
 import torch
 
 import remat
-from remat.errors import InfeasibleBudgetError
-from remat.frontends import zoo
-from remat.frontends.executor import apply
 from remat.solvers.ilp import min_feasible_budget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_executor import MODELS  # noqa: E402  (the same models as the tests)
+from test_executor import MODELS, _measured_peak, _plan_at as plan_at  # noqa: E402  (the tests' models and helpers)
 
 OUT = Path(__file__).parent / "out"
-
-
-def plan_at(graph, budget, **options):
-    options.setdefault("time_limit", 30)
-    try:
-        return remat.plan(graph, budget, **options)
-    except InfeasibleBudgetError as e:
-        return remat.plan(graph, e.min_feasible_bytes, **options)
-
-
-def measured(model, inputs, plan):
-    mine = copy.deepcopy(model)
-    planned = apply(mine, plan, inputs)
-    planned(*inputs).backward()
-    mine.zero_grad(set_to_none=False)
-    resident = list(mine.parameters()) + list(mine.buffers()) + list(inputs) + [p.grad for p in mine.parameters()]
-    m = remat.measure(lambda: planned(*inputs).backward(), resident=resident)
-    return m.peak_bytes, planned.host_peak_bytes
 
 
 def main() -> int:
@@ -68,7 +46,8 @@ def main() -> int:
             plans[("0.4x act.", f"{solver}, swap")] = plan_at(graph, int(graph.fixed_bytes + 0.4 * act), solver=solver,
                                                               swap=True, bandwidth=1e13)
         for (budget, how), plan in plans.items():
-            peak, host = measured(model, inputs, plan)
+            peak, planned = _measured_peak(model, inputs, plan)
+            host = planned.host_peak_bytes
             sim = remat.simulate(graph, plan.schedule)
             rows.append({"model": name, "budget": budget, "plan": how, "budget_bytes": plan.budget_bytes,
                          "recomputes": sum(c - 1 for c in sim.compute_counts if c > 1),

@@ -483,6 +483,15 @@ class _Run:
         if v is not None and v in self.pending:
             self.transfers.wait(self.pending.pop(v))
 
+    def start_backward(self, grad_loss: torch.Tensor) -> None:
+        """The loss's backward (part of the loss node) with the incoming gradient."""
+        lv = self.loss_live
+        self.loss_live = None
+        self.grads["loss"] = grad_loss
+        self.backward(self.step._loss_id, lv)
+        del lv
+        self.loss_value = None
+
     def end(self) -> None:
         self.live.clear()
         self.grads.clear()
@@ -507,33 +516,34 @@ class _Entry(torch.autograd.Function):
         return None, None, None
 
 
+def run_ops(run: Any, ops: list, first: int = 0) -> None:
+    """Perform `ops` on `run` in order, calling the step's ``on_op`` probe after each."""
+    probe = run.step.on_op
+    for k, op in enumerate(ops):
+        run.run_op(op)
+        if probe is not None:
+            probe(op, first + k)
+
+
 class _Step(torch.autograd.Function):
+    """A whole planned step as one autograd node: its forward performs the plan's ops up to the
+    loss, its backward the rest.  `run` (a `_Run`, or the joint executor's) provides
+    ``run_op``, ``loss_value``, ``start_backward(grad_loss)`` and ``end()``."""
+
     @staticmethod
-    def forward(ctx, run: _Run, *params):
-        for k, op in enumerate(run.step._fwd_ops):
-            run.run_op(op)
-            if run.step.on_op is not None:
-                run.step.on_op(op, k)
+    def forward(ctx, run: Any, *params):
+        run_ops(run, run.step._fwd_ops)
         ctx.run = run
         return run.loss_value.detach()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        run: _Run = ctx.run
+        run = ctx.run
         ctx.run = None
-        lv = run.loss_live
-        run.loss_live = None
-        run.grads["loss"] = grad_loss
-        run.backward(run.step._loss_id, lv)
-        del lv
-        run.loss_value = None
-        first = len(run.step._fwd_ops)
-        for k, op in enumerate(run.step._bwd_ops):
-            run.run_op(op)
-            if run.step.on_op is not None:
-                run.step.on_op(op, first + k)
+        run.start_backward(grad_loss)
+        run_ops(run, run.step._bwd_ops, len(run.step._fwd_ops))
         run.end()
-        return (None,) + (None,) * (len(ctx.needs_input_grad) - 1)
+        return (None,) * len(ctx.needs_input_grad)
 
 
 class _null:

@@ -477,31 +477,13 @@ def trace_joint(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable |
     nodes are described in the module docstring.  Raises `InvalidInputError` for bad input and
     `CaptureError` when aot_export_module cannot capture the model (the message says why).
     """
-    from .trace import (DEFAULT_REPEATS, OPTIMIZER_STATE, _batch, _dtype, _resolve_device, _split_inputs,
-                        default_loss, fixed_bytes, host_device_bandwidth, model_fingerprint)
+    from .trace import _batch, _dtype, fixed_bytes, host_device_bandwidth, model_fingerprint, prepare_trace
     t_start = time.perf_counter()
     if profile not in ("measure", "flops"):
         raise InvalidInputError(f"profile: expected 'measure' or 'flops', got {profile!r}")
-    if repeats is not None and (not isinstance(repeats, int) or repeats < 1):
-        raise InvalidInputError(f"repeats: must be a whole number >= 1, got {repeats!r}")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise InvalidInputError(f"warmup: must be a whole number >= 0, got {warmup!r}")
-    if optimizer is not None and optimizer not in OPTIMIZER_STATE:
-        raise InvalidInputError(f"optimizer: unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATE)}")
-    if not isinstance(model, torch.nn.Module):
-        raise InvalidInputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise InvalidInputError("model: no parameter requires grad; nothing to train")
-    args, kwargs = _split_inputs(example_inputs, example_kwargs)
-    dev = _resolve_device(model, device)
-    if repeats is None:
-        repeats = DEFAULT_REPEATS.get(dev.type, DEFAULT_REPEATS["cpu"])
-    if device is not None:
-        model.to(dev)
-    args, kwargs = tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, (args, kwargs))
-    loss = loss_fn or default_loss
-    model_name = name or type(model).__name__
-    fm = flops_model or FlopsModel()
+    args, kwargs, dev, repeats, loss, model_name, fm = prepare_trace(
+        model, example_inputs, example_kwargs, loss_fn, device, repeats, warmup, optimizer, name, flops_model,
+        min_warmup=0, need_grad=True)
     flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
 
     t0 = time.perf_counter()

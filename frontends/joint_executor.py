@@ -52,6 +52,7 @@ from remat.errors import InvalidInputError
 from remat.plan import Plan
 
 from .joint import STATIC, JointProgram, capture_joint, placeholder_values, program_from_graph
+from .executor import _Step
 from .transfer import StorageSet, Transfers
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class PlannedJointStep(torch.nn.Module):
         if self._transfers is None or self._transfers.device != params[0].device:
             self._transfers = Transfers(params[0].device)
         run = _JointRun(self, [t.detach() for t in flat], self._transfers)
-        return _JointStep.apply(run, *params)
+        return _Step.apply(run, *params)
 
     @property
     def host_peak_bytes(self) -> int:
@@ -265,7 +266,7 @@ class _JointRun:
         else:
             p.grad = torch.empty_like(p).copy_(value)
 
-    def reseed(self, grad_loss: torch.Tensor) -> None:
+    def start_backward(self, grad_loss: torch.Tensor) -> None:
         """Put the incoming gradient of the loss where the graph has ``ones_like(loss)``."""
         prog = self.prog
         L = prog.loss_id
@@ -290,30 +291,6 @@ class _JointRun:
         self.pending.clear()
         self.loss_value = None
         self.transfers.end_step()
-
-
-class _JointStep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, run: _JointRun, *params):
-        for k, op in enumerate(run.step._fwd_ops):
-            run.run_op(op)
-            if run.step.on_op is not None:
-                run.step.on_op(op, k)
-        ctx.run = run
-        return run.loss_value.detach()
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        run: _JointRun = ctx.run
-        ctx.run = None
-        run.reseed(grad_loss)
-        first = len(run.step._fwd_ops)
-        for k, op in enumerate(run.step._bwd_ops):
-            run.run_op(op)
-            if run.step.on_op is not None:
-                run.step.on_op(op, first + k)
-        run.end()
-        return (None,) * len(ctx.needs_input_grad)
 
 
 def apply_joint(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any = None,

@@ -105,30 +105,14 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         from .joint import trace_joint
         return trace_joint(model, example_inputs, loss_fn, profile, device, repeats, warmup=warmup,
                            example_kwargs=example_kwargs, optimizer=optimizer, name=name, flops_model=flops_model)
-    if repeats is not None and (not isinstance(repeats, int) or repeats < 1):
-        raise InvalidInputError(f"repeats: must be a whole number >= 1, got {repeats!r}")
-    if not isinstance(warmup, int) or warmup < 1:
-        raise InvalidInputError(f"warmup: must be a whole number >= 1, got {warmup!r}")
     if not isinstance(depth, int) or depth < 1:
         raise InvalidInputError(f"depth: must be a whole number >= 1, got {depth!r}")
     if capture_with not in CAPTURES:
         raise InvalidInputError(f"capture_with: expected one of {CAPTURES}, got {capture_with!r}")
     if backward_edges not in ("saved", "all"):
         raise InvalidInputError(f"backward_edges: expected 'saved' or 'all', got {backward_edges!r}")
-    if optimizer is not None and optimizer not in OPTIMIZER_STATE:
-        raise InvalidInputError(f"optimizer: unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATE)}")
-    if not isinstance(model, torch.nn.Module):
-        raise InvalidInputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    args, kwargs = _split_inputs(example_inputs, example_kwargs)
-    dev = _resolve_device(model, device)
-    if repeats is None:
-        repeats = DEFAULT_REPEATS.get(dev.type, DEFAULT_REPEATS["cpu"])
-    if device is not None:
-        model.to(dev)
-    args, kwargs = tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, (args, kwargs))
-    loss = loss_fn or default_loss
-    model_name = name or type(model).__name__
-    flops_model = flops_model or FlopsModel()
+    args, kwargs, dev, repeats, loss, model_name, flops_model = prepare_trace(
+        model, example_inputs, example_kwargs, loss_fn, device, repeats, warmup, optimizer, name, flops_model)
 
     rng_devices = [dev] if dev.type == "cuda" else []
     snapshot = [(b, b.detach().clone()) for b in model.buffers()]
@@ -230,6 +214,33 @@ def _dtype(model: torch.nn.Module, args: tuple, kwargs: dict) -> str:
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             return str(t.dtype).replace("torch.", "")
     return "unknown"
+
+
+def prepare_trace(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict | None, loss_fn: Callable | None,
+                  device: "str | torch.device | None", repeats: int | None, warmup: int, optimizer: str | None,
+                  name: str | None, flops_model: "FlopsModel | None", min_warmup: int = 1,
+                  need_grad: bool = False) -> tuple:
+    """The checks and defaults every granularity's trace shares: ``(args, kwargs, device,
+    repeats, loss_fn, model name, flops model)``, the model and inputs moved to the device."""
+    if repeats is not None and (not isinstance(repeats, int) or repeats < 1):
+        raise InvalidInputError(f"repeats: must be a whole number >= 1, got {repeats!r}")
+    if not isinstance(warmup, int) or warmup < min_warmup:
+        raise InvalidInputError(f"warmup: must be a whole number >= {min_warmup}, got {warmup!r}")
+    if optimizer is not None and optimizer not in OPTIMIZER_STATE:
+        raise InvalidInputError(f"optimizer: unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATE)}")
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidInputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if need_grad and not any(p.requires_grad for p in model.parameters()):
+        raise InvalidInputError("model: no parameter requires grad; nothing to train")
+    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    dev = _resolve_device(model, device)
+    if repeats is None:
+        repeats = DEFAULT_REPEATS.get(dev.type, DEFAULT_REPEATS["cpu"])
+    if device is not None:
+        model.to(dev)
+    args, kwargs = tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    return (args, kwargs, dev, repeats, loss_fn or default_loss, name or type(model).__name__,
+            flops_model or FlopsModel())
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

@@ -3,3 +3,16 @@ from pathlib import Path
 
 # tests import their helpers (exhaustive.py) directly
 sys.path.insert(0, str(Path(__file__).parent))
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a test module: CPU kernels on this shared 2-core machine run 10-100x
+    slower when several threads contend with other jobs."""
+    torch = pytest.importorskip("torch")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

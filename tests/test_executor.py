@@ -24,12 +24,7 @@ PEAK_TOLERANCE = 0.10   # DESIGN.md, promise 1
 EXACT_TOLERANCE = 0.01
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class DropoutMLP(nn.Module):

@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 
+from test_executor import DropoutMLP  # noqa: E402  (the same model, smaller)
 import remat  # noqa: E402
 from remat.errors import InvalidInputError  # noqa: E402
 from remat.frontends import default_loss, measure_peak, zoo  # noqa: E402
@@ -28,12 +29,7 @@ EXACT_TOLERANCE = 0.01  # what the CPU accounting actually gives (a few bytes)
 F32 = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- the hand-checked graph -----------------------------------------------------------------------
@@ -86,20 +82,9 @@ def test_checkpoint_all_simulates_as_a_training_graph(small_graph):
 
 
 # ---- plans run as plain autograd ----------------------------------------------------------------
-class DropoutMLP(nn.Module):
-    def __init__(self, width: int = 24, layers: int = 3):
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Dropout(0.1))
-                                      for _ in range(layers)])
-        self.head = nn.Linear(width, 4)
-
-    def forward(self, x):
-        return self.head(self.layers(x))
-
-
 def _mlp():
     torch.manual_seed(0)
-    return DropoutMLP(), (torch.randn(16, 24),)
+    return DropoutMLP(width=24, layers=3), (torch.randn(16, 24),)
 
 
 def _cnn():
