@@ -147,10 +147,8 @@ def run_run(args: Any) -> int:
         graph = trace(model, inputs, name=name, progress=not args.no_progress)
         graph.meta["model_spec"] = {"model": args.model, "batch": args.batch,
                                     "input_shape": list(shape) if shape else None, "full": args.full}
-        opts = {"swap": not args.no_swap, "time_limit": args.time_limit, "gap": args.gap}
-        if args.threads is not None:
-            opts["threads"] = args.threads
-        p = make_plan(graph, args.budget, args.solver, **opts)
+        from remat.cli import _solver_options
+        p = make_plan(graph, args.budget, args.solver, **_solver_options(args))
         if args.output:
             p.save(args.output)
             print(f"wrote      {args.output}")

@@ -55,6 +55,8 @@ def _solver_options(args: argparse.Namespace) -> dict:
         opts["threads"] = args.threads
     if args.backend is not None:
         opts["backend"] = args.backend
+    if args.mode != "auto":
+        opts["mode"] = args.mode
     return opts
 
 
@@ -319,6 +321,9 @@ def _add_solver_options(p: argparse.ArgumentParser, time_limit: float) -> None:
                    help="relative optimality gap at which the ILP may stop (default 0: prove optimality)")
     p.add_argument("--threads", type=_positive_int, default=None, help="solver threads (ILP)")
     p.add_argument("--backend", choices=("cbc", "highs"), default=None, help="MILP backend of the ILP")
+    p.add_argument("--mode", choices=("auto", "exact", "scalable"), default="auto",
+                   help="ILP: the exact model on the whole graph, the scalable mode (coarsen, solve, expand, "
+                   "refine; a bound for the whole graph), or auto (scalable above 100 nodes; default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
