@@ -1,0 +1,222 @@
+"""The ILP's scalable mode (solvers/ilp_scalable.py): coarsening, expansion, bounds, and the
+plans against the exact ILP."""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from remat import simulate
+from remat.budget import parse_budget
+from remat.errors import InfeasibleBudgetError, InvalidInputError
+from remat.generators import linear_chain, random_layered, unet
+from remat.solvers import get, ilp, ilp_scalable, names
+
+
+def fits(g, sched, budget):
+    res = simulate(g, sched)
+    assert res.valid, res.violation
+    assert res.peak_bytes <= budget, (res.peak_bytes, budget)
+    return res
+
+
+# ---- coarsening and expansion -------------------------------------------------------------------
+@pytest.mark.parametrize("g", [linear_chain(12), random_layered(20, seed=3), unet(3)], ids=["chain", "random", "unet"])
+def test_groups_are_contiguous_same_kind_runs_and_the_quotient_is_a_dag(g):
+    groups = ilp_scalable.choose_groups(g, 9)
+    assert [v for grp in groups for v in grp] == list(range(g.n))
+    co = ilp_scalable.coarsen(g, groups)
+    assert co.graph.n == len(groups) < g.n
+    assert all(a < b for a, b in co.graph.edges)
+    assert math.isclose(co.graph.total_time, g.total_time)
+    assert sum(v.bytes for v in co.graph.nodes) == sum(v.bytes for v in g.nodes)
+    if ilp_scalable.checkmate_layout(g) is not None:  # backward runs mirror the forward ones
+        m = g.n // 2
+        fwd = [grp for grp in groups if grp[0] < m]
+        bwd = [grp for grp in groups if grp[0] > m]
+        assert [sorted(2 * m - v for v in grp) for grp in reversed(fwd)] == bwd
+
+
+@pytest.mark.parametrize("g,ratio,k", [(linear_chain(16), "0.5x", 13), (linear_chain(10), "0.4x", 11),
+                                       (unet(3), "0.8x", 13)],
+                         ids=["chain-0.5x", "chain10-0.4x", "unet3"])
+def test_expanded_coarse_ilp_schedule_fits_and_costs_what_the_coarse_model_says(g, ratio, k):
+    budget = parse_budget(ratio, g)
+    groups = ilp_scalable.fit_groups(g, ilp_scalable.choose_groups(g, k), budget)
+    co = ilp_scalable.coarsen(g, groups)
+    cs = ilp.solve(co.graph, budget, swap=False, time_limit=20, threads=1, mode="exact")
+    fine = ilp_scalable.expand(co, cs)
+    res = fits(g, fine, budget)
+    # recompute only: every coarse recompute is the recompute of all its members; pruning waste
+    # can only remove work
+    assert res.time <= cs.report["objective"] * (1 + 1e-9)
+
+
+def test_expansion_of_a_swap_schedule_is_valid():
+    g = linear_chain(12)
+    budget = parse_budget("0.4x", g)
+    co = ilp_scalable.coarsen(g, ilp_scalable.fit_groups(g, ilp_scalable.choose_groups(g, 13), budget))
+    cs = ilp.solve(co.graph, budget, swap=True, time_limit=8, threads=1, mode="exact")
+    assert any(st.swap_out for st in cs.stages)  # the case is about swaps
+    fits(g, ilp_scalable.expand(co, cs), budget)
+
+
+# ---- bounds -------------------------------------------------------------------------------------
+SMALL = [("chain16", linear_chain(16)), ("random15", random_layered(15, seed=1)), ("unet3", unet(3))]
+
+
+@pytest.mark.parametrize("name,g", SMALL, ids=[s[0] for s in SMALL])
+def test_knapsack_bound_never_exceeds_the_exact_optimum(name, g):
+    for ratio in ("0.6x", "0.8x", "1.0x"):
+        budget = parse_budget(ratio, g)
+        kb = ilp_scalable.knapsack_bound(g, budget)
+        try:
+            exact = ilp.solve(g, budget, swap=False, time_limit=20, threads=1, mode="exact")
+        except InfeasibleBudgetError:
+            continue
+        assert exact.report["status"] == "optimal"
+        assert kb is not None and g.total_time <= kb <= exact.report["objective"] * (1 + 1e-9), (ratio, kb)
+
+
+def test_knapsack_bound_proves_chain_optimum_where_the_lp_does_not_need_to():
+    # chain16 at 0.5x: the instant the loss runs forces the recomputation the optimum pays
+    g = linear_chain(16)
+    budget = parse_budget("0.5x", g)
+    s = ilp_scalable.solve(g, budget, swap=False, time_limit=30, threads=1)
+    assert s.report["status"] == "optimal" and s.report["gap"] == 0.0
+    assert s.report["bound_from"] == "knapsack"
+    assert math.isclose(s.report["objective"], 58.0)
+
+
+# ---- the scalable mode against the exact ILP ------------------------------------------------------
+# cases the exact ILP proves optimal in seconds (each exercises a different path of the mode: the
+# knapsack bound, the coarse ILP, RINS, the whole fine ILP); benchmarks/SCALABLE_NOTES.md lists
+# the full sweep they come from, including the time-limited cases where the scalable mode wins
+CASES = [
+    ("chain16", linear_chain(16), "0.6x"),
+    ("chain24", linear_chain(24), "0.4x"),
+    ("unet3", unet(3), "0.6x"),
+    ("unet4", unet(4), "0.8x"),
+    ("random15", random_layered(15, seed=1), "0.8x"),
+    ("random20", random_layered(20, seed=2), "0.8x"),
+]
+
+
+@pytest.mark.parametrize("name,g,ratio", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_scalable_mode_is_within_two_percent_of_the_exact_optimum(name, g, ratio):
+    budget = parse_budget(ratio, g)
+    exact = ilp.solve(g, budget, swap=False, time_limit=30, threads=1, mode="exact")
+    assert exact.report["status"] == "optimal", exact.report
+    opt = exact.report["objective"]
+    # a coarse graph of about a third of the nodes, so that coarsening and expansion really run
+    s = ilp_scalable.solve(g, budget, swap=False, time_limit=20, threads=1, coarse_nodes=max(9, g.n // 3))
+    res = fits(g, s, budget)
+    rep = s.report
+    assert rep["coarse_nodes"] < g.n
+    assert math.isclose(rep["objective"], res.time, rel_tol=1e-9)
+    assert rep["objective"] <= opt * 1.02, (rep, opt)
+    assert rep["lower_bound"] <= opt * (1 + 1e-9)
+    assert math.isclose(rep["gap"], (rep["objective"] - rep["lower_bound"]) / rep["objective"], abs_tol=1e-9)
+    assert rep["status"] in ("optimal", "feasible")
+    if rep["status"] == "optimal":
+        assert math.isclose(rep["objective"], opt, rel_tol=1e-9)
+
+
+@pytest.mark.slow
+def test_scalable_mode_matches_the_exact_optimum_where_refinement_must_work():
+    g = unet(4)  # 0.6x: the exact ILP needs ~13 s; the scalable mode gets there through RINS
+    budget = parse_budget("0.6x", g)
+    exact = ilp.solve(g, budget, swap=False, time_limit=60, threads=1, mode="exact")
+    assert exact.report["status"] == "optimal"
+    s = ilp_scalable.solve(g, budget, swap=False, time_limit=40, threads=1, coarse_nodes=14)
+    fits(g, s, budget)
+    assert s.report["objective"] <= exact.report["objective"] * 1.02
+    assert s.report["lower_bound"] <= exact.report["objective"] * (1 + 1e-9)
+
+
+def test_scalable_mode_with_swap_is_valid_and_bounded_by_the_exact_swap_optimum():
+    g = linear_chain(10)
+    budget = parse_budget("0.4x", g)
+    exact = ilp.solve(g, budget, swap=True, time_limit=30, threads=1, mode="exact")
+    s = ilp_scalable.solve(g, budget, swap=True, time_limit=30, threads=1, coarse_nodes=9)
+    fits(g, s, budget)
+    assert s.report["lower_bound"] <= exact.report["objective"] * (1 + 1e-9)
+    assert s.report["objective"] <= exact.report["objective"] * 1.02
+
+
+# ---- the contract: modes, time limit, progress, honesty --------------------------------------------
+def test_mode_dispatch_and_registry():
+    assert "ilp-scalable" in names()
+    big = linear_chain(60)  # 121 nodes > AUTO_THRESHOLD
+    assert big.n > ilp_scalable.AUTO_THRESHOLD
+    budget = parse_budget("0.5x", big)
+    s = ilp.solve(big, budget, swap=False, time_limit=8, threads=1)
+    assert s.report["mode"] == "scalable"
+    fits(big, s, budget)
+    small = linear_chain(8)
+    s = ilp.solve(small, parse_budget("0.5x", small), swap=False, time_limit=10, threads=1)
+    assert "mode" not in s.report  # the exact model
+    with pytest.raises(InvalidInputError, match="mode"):
+        ilp.solve(small, parse_budget("0.5x", small), mode="fast")
+
+
+def test_time_limit_is_honoured_and_progress_reports_incumbent_bound_gap():
+    g = unet(6)  # 57 nodes: baselines, the coarse ILP, the LP, RINS and the fine ILP all want time
+    budget = parse_budget("0.6x", g)
+    seen = []
+    limit = 12
+    t0 = time.perf_counter()
+    s = ilp_scalable.solve(g, budget, swap=False, time_limit=limit, threads=1, progress=seen.append)
+    wall = time.perf_counter() - t0
+    assert wall < limit * 1.25 + 3, wall
+    res = fits(g, s, budget)
+    rep = s.report
+    assert rep["lower_bound"] >= g.total_time
+    assert rep["lower_bound"] <= res.time
+    assert rep["status"] == "feasible" and rep["gap"] > 0  # the exact ILP needs minutes here
+    assert seen and all({"phase", "elapsed", "incumbent", "lower_bound", "gap"} <= set(d) for d in seen)
+    phases = [d["phase"] for d in seen]
+    assert "coarse" in phases and phases[-1] == "done"
+    last = seen[-1]
+    assert math.isclose(last["incumbent"], res.time) and math.isclose(last["lower_bound"], rep["lower_bound"])
+    assert math.isclose(last["gap"], rep["gap"])
+    # incumbents only improve
+    incs = [d["incumbent"] for d in seen if d["phase"] not in ("coarse", "refine") and d["incumbent"] is not None]
+    assert incs == sorted(incs, reverse=True)
+
+
+def test_never_optimal_unless_the_bound_meets_the_incumbent():
+    g = random_layered(40, seed=4)
+    budget = parse_budget("0.8x", g)
+    s = ilp_scalable.solve(g, budget, swap=False, time_limit=3, threads=1, coarse_nodes=15,
+                           lp_max_nodes=0, refine_max_nodes=0, full_refine_max_nodes=0)
+    rep = s.report
+    fits(g, s, budget)
+    if rep["status"] == "optimal":
+        assert math.isclose(rep["lower_bound"], rep["objective"], rel_tol=1e-9)
+    else:
+        assert rep["lower_bound"] < rep["objective"] and rep["gap"] > 0
+
+
+def test_budget_below_what_must_stay_resident_is_infeasible_with_the_need_named():
+    g = random_layered(40, seed=4)
+    need = ilp_scalable.forced_need(g)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        ilp_scalable.solve(g, need - 1, swap=False, time_limit=5, threads=1)
+    assert str(need) in str(e.value)
+    # at the need itself the knapsack check passes (it is necessary, not sufficient)
+    assert ilp_scalable.knapsack_bound(g, need) is not None
+
+
+# ---- model scale (slow) -------------------------------------------------------------------------
+@pytest.mark.slow
+def test_thousand_node_random_dag_gets_a_valid_plan_and_a_gap_in_five_minutes():
+    g = random_layered(500, seed=0)  # 1001 nodes; below ~0.93x no recompute-only plan exists
+    budget = parse_budget("0.97x", g)
+    t0 = time.perf_counter()
+    s = get("ilp")(g, budget, swap=False, time_limit=240, threads=1)
+    assert time.perf_counter() - t0 < 300
+    res = fits(g, s, budget)
+    assert s.report["mode"] == "scalable"
+    assert s.report["lower_bound"] <= res.time and s.report["gap"] is not None
