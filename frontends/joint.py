@@ -131,8 +131,8 @@ def capture_joint(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Ca
                 raise inner from None
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         raise CaptureError(f"joint capture of {type(model).__name__} failed ({CAPTURE_METHOD}): {type(e).__name__}: "
-                           f"{first[:300]}; use granularity 'op' or 'module', which fall back to an eager "
-                           "recording") from e
+                           f"{first[:300]}; use granularity 'op-stages' or 'module', which fall back to an "
+                           "eager recording") from e
     finally:
         with torch.no_grad():
             for b, saved in snapshot:

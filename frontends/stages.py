@@ -6,7 +6,8 @@ children of the top module, looking through plain containers (exactly `nn.Sequen
 are stages; depth k goes k-1 levels further into modules that have children.  Each ATen op
 belongs to the innermost group module on its ``nn_module_stack``; a run of consecutive ops of
 one module call is one stage.  Ops outside every group module (``torch.flatten`` in a ResNet's
-own forward, a residual add) form "glue" stages of their own, one per run.  Op granularity: one
+own forward, a residual add) form "glue" stages of their own, one per run.  Op stages
+(``granularity="op-stages"``; plans made before "op" meant the joint graph say ``"op"``): one
 stage per op.
 
 Storage rules (DESIGN.md, "Modelling memory honestly").  A stage whose output shares storage
@@ -79,7 +80,7 @@ def _stack(node: fx.Node) -> list[tuple[str, str, str]]:
 def cut(cap: Captured, model: torch.nn.Module, granularity: str = "module", depth: int = 1) -> list[Stage]:
     ops = [n for n in cap.graph.nodes if n.op == "call_function"]
     stages: list[Stage] = []
-    if granularity == "op":
+    if granularity in ("op", "op-stages"):  # "op": plans traced before op meant the joint graph
         for n in ops:
             st = _stack(n)
             stages.append(Stage(n.name, st[-1][1] if st else "", _op_name(n), [n]))

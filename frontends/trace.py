@@ -36,14 +36,14 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from remat.errors import InvalidInputError
 from remat.graph import DEFAULT_BANDWIDTH, Graph, Node
 
-from .capture import Captured, capture
+from .capture import CaptureError, Captured, capture
 from .measure import unique_bytes
 from .profile import FlopsModel, Runner, StageProfile, is_random, profile_runner, release_plan, run_nodes, writes_of
 from .stages import Stage, cut
 
 log = logging.getLogger(__name__)
 
-GRANULARITIES = ("module", "op", "joint")
+GRANULARITIES = ("module", "op", "joint", "op-stages")
 PROFILES = ("measure", "flops")
 CAPTURES = ("auto", "export", "eager")
 # optimizer name -> state tensors per trainable parameter
@@ -75,9 +75,14 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         (``example_kwargs`` adds keyword arguments to positional ones).
     loss_fn: ``loss_fn(output, *positional_inputs) -> scalar tensor``; default `default_loss`
         (the sum of every floating-point tensor in the output).
-    granularity: ``"module"`` (one node per call of a module at `depth`; see `stages`),
-        ``"op"`` (one node per ATen op) or ``"joint"`` (one node per allocating ATen op of the
-        joint forward+backward graph; see `joint.trace_joint`, which takes over here).
+    granularity: ``"module"`` (one node per call of a module at `depth`; see `stages`);
+        ``"op"`` (one node per allocating ATen op of the joint forward+backward graph, backward
+        ops and saved tensors explicit: `joint.trace_joint`; when the joint graph cannot be
+        captured, e.g. data-dependent control flow, it falls back to ``"op-stages"`` and logs
+        why); ``"joint"`` (the joint graph, no fallback); ``"op-stages"`` (one forward node per
+        ATen op of the forward, each with the backward node autograd gives it, saved tensors
+        measured by hooks; torch.export or an eager recording).  ``meta["granularity"]``
+        records what was built.
     profile: ``"measure"`` (times: `warmup` runs, the first of which also counts storages and
         gives the outputs the next nodes consume, then the median of `repeats` timed runs,
         default 5 on CUDA and 3 on a CPU; CUDA events on a GPU, perf_counter elsewhere) or
@@ -101,10 +106,19 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         raise InvalidInputError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
     if profile not in PROFILES:
         raise InvalidInputError(f"profile: expected one of {PROFILES}, got {profile!r}")
-    if granularity == "joint":
+    fallback_note = None
+    if granularity in ("op", "joint"):
         from .joint import trace_joint
-        return trace_joint(model, example_inputs, loss_fn, profile, device, repeats, warmup=warmup,
-                           example_kwargs=example_kwargs, optimizer=optimizer, name=name, flops_model=flops_model)
+        try:
+            return trace_joint(model, example_inputs, loss_fn, profile, device, repeats, warmup=warmup,
+                               example_kwargs=example_kwargs, optimizer=optimizer, name=name, flops_model=flops_model)
+        except CaptureError as e:
+            if granularity == "joint":
+                raise
+            fallback_note = f"op granularity: the joint forward+backward graph cannot be captured ({e}); per-op stages"
+            log.warning("%s; falling back to per-op stages (the forward's ATen ops, each with the backward node "
+                        "autograd gives it)", fallback_note)
+            granularity = "op-stages"
     if not isinstance(depth, int) or depth < 1:
         raise InvalidInputError(f"depth: must be a whole number >= 1, got {depth!r}")
     if capture_with not in CAPTURES:
@@ -153,7 +167,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         "depth": depth if granularity == "module" else None,
         "capture": cap.method,
         "backward_edges": backward_edges,
-        "capture_notes": list(cap.notes),
+        "capture_notes": list(cap.notes) + ([fallback_note] if fallback_note else []),
         "loss": getattr(loss, "__name__", type(loss).__name__),
         "training": model.training,
         "optimizer": optimizer,

@@ -358,9 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", default=None, metavar="SHAPE",
                    help="one example's shape without the batch, e.g. 3,224,224 (GPT-2: sequence length)")
     p.add_argument("--full", action="store_true", help="zoo models: the published size instead of the small one")
-    p.add_argument("--granularity", choices=("module", "op", "joint"), default="module",
-                   help="one node per module call (default), per ATen op of the forward (backward nodes "
-                   "from autograd), or per allocating ATen op of the joint forward+backward graph")
+    p.add_argument("--granularity", choices=("module", "op", "joint", "op-stages"), default="module",
+                   help="one node per module call (default); op: per allocating ATen op of the joint "
+                   "forward+backward graph, falling back to op-stages when it cannot be captured; joint: the "
+                   "same without fallback; op-stages: per ATen op of the forward, backward nodes from autograd")
     p.add_argument("--depth", type=_positive_int, default=1,
                    help="module depth of the nodes (default 1: the top module's children, through containers)")
     p.add_argument("--profile", choices=("measure", "flops"), default="measure",

@@ -248,11 +248,34 @@ def test_measure_profile_positive_and_repeatable():
     assert 1 / 3 < ratio < 3, ratio
 
 
-def test_op_granularity_one_node_per_op():
-    g = _trace(Tiny(), torch.randn(2, 8), granularity="op")
+def test_op_stages_one_node_per_op():
+    g = _trace(Tiny(), torch.randn(2, 8), granularity="op-stages")
     fwd = [g.nodes[i] for i in g.forward_ids()]
     assert [v.name for v in fwd] == ["linear", "relu", "linear_1"]
-    assert g.n == 7 and g.meta["granularity"] == "op"
+    assert g.n == 7 and g.meta["granularity"] == "op-stages"
+
+
+class BranchOnValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y * 2 if y.sum() > 0 else y
+
+
+def test_op_granularity_is_the_joint_graph_and_falls_back_to_op_stages(caplog):
+    g = _trace(Tiny(), torch.randn(2, 8), granularity="op")
+    assert g.meta["granularity"] == "joint" and any(v.kind == "backward" for v in g.nodes)
+    # data-dependent control flow: no joint graph; per-op stages from an eager recording, and
+    # the log and the graph's notes say why
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        g = _trace(BranchOnValue(), torch.randn(2, 8), granularity="op")
+    assert g.meta["granularity"] == "op-stages"
+    assert "joint forward+backward graph cannot be captured" in caplog.text
+    assert any("per-op stages" in note for note in g.meta["capture_notes"])
 
 
 def test_module_depth():
