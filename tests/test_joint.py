@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 
-from test_executor import DropoutMLP  # noqa: E402  (the same model, smaller)
+from test_executor import DropoutMLP, _plain_and_planned as _plain_and_planned_step  # noqa: E402
+from test_frontends import BranchOnValue  # noqa: E402
 import remat  # noqa: E402
 from remat.errors import InvalidInputError  # noqa: E402
 from remat.frontends import default_loss, measure_peak, zoo  # noqa: E402
@@ -129,16 +130,9 @@ def test_tight_plan_recomputes(planned):
 
 
 def _plain_and_planned(model, inputs, plan):
-    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
-    step = apply(mine, plan, inputs)
-    assert isinstance(step, PlannedJointStep)
-    rng = torch.get_rng_state()
-    loss_ref = default_loss(ref(*inputs), *inputs)
-    loss_ref.backward()
-    torch.set_rng_state(rng)
-    loss = step(*inputs)
-    loss.backward()
-    return ref, mine, step, loss_ref, loss
+    out = _plain_and_planned_step(model, inputs, plan)
+    assert isinstance(out[2], PlannedJointStep)   # remat.apply dispatched to the joint executor
+    return out
 
 
 @pytest.mark.parametrize("budget", ["1.0x", "tightest", "swap"])
@@ -209,20 +203,10 @@ def test_bad_input_and_foreign_plans_are_refused(small_graph):
         apply(copy.deepcopy(model), swapping, inputs)
 
 
-class _DataDependent(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        y = self.fc(x)
-        return y * 2 if y.sum() > 0 else y
-
-
 def test_capture_failure_names_the_reason():
     torch.manual_seed(0)
     with pytest.raises(CaptureError, match="joint capture .* failed"):
-        remat.trace(_DataDependent(), (torch.randn(2, 4),), granularity="joint", profile="flops")
+        remat.trace(BranchOnValue(), (torch.randn(2, 8),), granularity="joint", profile="flops")
 
 
 # ---- GPT-2 ---------------------------------------------------------------------------------------------
