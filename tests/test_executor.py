@@ -99,10 +99,13 @@ def _plain_and_planned(model, inputs, plan):
     """(reference model after one plain step, planned model after one planned step, losses)."""
     ref, mine = copy.deepcopy(model), copy.deepcopy(model)
     planned = apply(mine, plan, inputs)
-    rng = torch.get_rng_state()
+    cuda = any(x.is_cuda for x in inputs if isinstance(x, torch.Tensor))
+    rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if cuda else None)
     loss_ref = default_loss(ref(*inputs), *inputs)
     loss_ref.backward()
-    torch.set_rng_state(rng)
+    torch.set_rng_state(rng[0])   # the same dropout masks (CPU and, on CUDA, the device's generator)
+    if cuda:
+        torch.cuda.set_rng_state_all(rng[1])
     loss = planned(*inputs)
     loss.backward()
     return ref, mine, planned, loss_ref, loss
