@@ -42,9 +42,10 @@ In eval mode or under ``torch.no_grad()`` the plain model runs.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -85,9 +86,13 @@ class _Live:
     """A computed forward node: its outputs (until freed) and its graph (until its backward)."""
     outputs: dict | None                     # fx node -> tensor
     edges: list                              # (fx node, GradientEdge) of outputs requiring grad
-    owns_tensors: bool                       # graph holds saved tensors of its own
-    held: list = field(default_factory=list)       # the _Saved handles holding those tensors
-    foreign: set = field(default_factory=set)      # storage keys of the stage's inputs
+    held: list = field(default_factory=list)       # _Saved handles of tensors the graph saved of its own
+    foreign: set = field(default_factory=set)      # storage keys of the stage's activation inputs
+
+    @property
+    def owns_tensors(self) -> bool:
+        """The graph holds saved tensors of its own (freeing v's outputs does not free them)."""
+        return bool(self.held)
 
 
 @dataclass
@@ -113,8 +118,12 @@ class _Saved:
         self.node, self.t = node, None
 
 
-class PlannedStep(torch.nn.Module):
-    """``planned(*inputs) -> loss`` that runs `plan`'s ops; see the module docstring."""
+class PlannedBase(torch.nn.Module):
+    """What every planned-step module shares (this module's `PlannedStep`, the joint graph's
+    `PlannedJointStep`): the checks that the plan belongs to the model and its inputs, the split
+    of the plan's ops at the loss, the host transfers, and ``planned(*inputs) -> loss``.  A
+    subclass provides ``_prepare(args, kwargs)`` (capture the model; call `_check_model` and
+    `_split_ops`) and ``_new_run(args, flat_inputs, transfers)`` (the state of one step)."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, example_inputs: Any = None, loss_fn: Callable | None = None,
                  example_kwargs: dict | None = None):
@@ -134,14 +143,9 @@ class PlannedStep(torch.nn.Module):
         if example_inputs is not None or example_kwargs is not None:
             self._prepare(*_split_inputs(example_inputs, example_kwargs))
 
-    def _prepare(self, args: tuple, kwargs: dict) -> None:
-        """Capture and cut the model as `remat.trace` did; check it against the plan's graph."""
-        model, plan = self.model, self.plan
-        graph = plan.graph
-        meta = graph.meta
-        granularity = meta.get("granularity", "module")
-        depth = meta.get("depth") or 1
-        mode = "eager" if meta.get("capture") == EAGER else "auto"
+    def _check_model(self, args: tuple, kwargs: dict) -> None:
+        """The plan was made for this model (parameter fingerprint) and these input shapes."""
+        model, meta = self.model, self.plan.graph.meta
         shapes = [list(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if meta.get("model_fingerprint") is not None and meta["model_fingerprint"] != model_fingerprint(model):
             raise InvalidInputError(
@@ -151,6 +155,52 @@ class PlannedStep(torch.nn.Module):
         if meta.get("input_shapes") is not None and meta["input_shapes"] != shapes:
             raise InvalidInputError(f"remat.apply: the plan was made for inputs of shapes {meta['input_shapes']}, "
                                     f"these have {shapes}: the plan belongs to another model/batch shape; re-plan")
+        self._shapes = shapes
+
+    def _split_ops(self, loss_id: int) -> None:
+        """The step's forward performs the plan's ops up to the loss's compute, its backward the rest."""
+        ops = self.plan.schedule.ops
+        split = next((k for k, o in enumerate(ops) if o.op == "compute" and o.node == loss_id), None)
+        if split is None:
+            raise InvalidInputError("remat.apply: the plan never computes the loss node")
+        self._fwd_ops, self._bwd_ops = ops[:split + 1], ops[split + 1:]
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not self.model.training:
+            return self.loss_fn(self.model(*args, **kwargs), *args)
+        if not self._ready:  # no example inputs given: the first batch is the example
+            self._prepare(args, kwargs)
+        flat = [t for t in tree_flatten((args, kwargs))[0]]
+        shapes = [list(t.shape) for t in flat if isinstance(t, torch.Tensor)]
+        if shapes != self._shapes:
+            raise InvalidInputError(f"remat.apply: the plan was made for inputs of shapes {self._shapes}, got "
+                                    f"{shapes}; re-plan for this batch shape")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise InvalidInputError("remat.apply: the model has no parameter that requires grad")
+        device = params[0].device
+        if self._transfers is None or self._transfers.device != device:
+            self._transfers = Transfers(device)
+        return _Step.apply(self._new_run(args, flat, self._transfers), *params)
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """Host bytes the last step's swap-outs held (what the plan predicts as host_peak_bytes)."""
+        return self._transfers.pool.peak if self._transfers is not None else 0
+
+
+class PlannedStep(PlannedBase):
+    """``planned(*inputs) -> loss`` that runs `plan`'s ops; see the module docstring."""
+
+    def _prepare(self, args: tuple, kwargs: dict) -> None:
+        """Capture and cut the model as `remat.trace` did; check it against the plan's graph."""
+        model, plan = self.model, self.plan
+        graph = plan.graph
+        meta = graph.meta
+        granularity = meta.get("granularity", "module")
+        depth = meta.get("depth") or 1
+        mode = "eager" if meta.get("capture") == EAGER else "auto"
+        self._check_model(args, kwargs)
         snapshot = [(b, b.detach().clone()) for b in model.buffers()]
         try:
             with torch.random.fork_rng(devices=[]):
@@ -171,7 +221,6 @@ class PlannedStep(torch.nn.Module):
                 f"{fwd[diff].name if diff < len(fwd) else None!r}): the plan belongs to another model/batch "
                 "shape; re-plan (remat.trace, remat.plan)")
         self._cap = cap
-        self._shapes = shapes
         self._m = len(stages)
         self._loss_id = next(v.id for v in graph.nodes if v.kind == "loss")
         self._fwd_of = {v.id: v.extra["forward"] for v in graph.nodes if v.kind == "backward"}
@@ -182,9 +231,7 @@ class PlannedStep(torch.nn.Module):
         self._fns = [self._stage_fn(s, fwd[j].extra.get("random", False), bool(fwd[j].extra.get("mutates")))
                      for j, s in enumerate(stages)]
         self._fns.append(self._loss_fn_stage())
-        ops = plan.schedule.ops
-        split = next(k for k, o in enumerate(ops) if o.op == "compute" and o.node == self._loss_id)
-        self._fwd_ops, self._bwd_ops = ops[:split + 1], ops[split + 1:]
+        self._split_ops(self._loss_id)
         self._ready = True
 
     # ---- stages ---------------------------------------------------------------------------
@@ -226,55 +273,79 @@ class PlannedStep(torch.nn.Module):
         return _StageFn("loss", out_nodes, ["loss"], run, set(range(len(out_nodes))), set(), [])
 
     # ---- the step -------------------------------------------------------------------------
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not torch.is_grad_enabled() or not self.model.training:
-            return self.loss_fn(self.model(*args, **kwargs), *args)
-        if not self._ready:  # no example inputs given: the first batch is the example
-            self._prepare(args, kwargs)
-        flat = [t for t in tree_flatten((args, kwargs))[0]]
-        shapes = [list(t.shape) for t in flat if isinstance(t, torch.Tensor)]
-        if shapes != self._shapes:
-            raise InvalidInputError(f"remat.apply: the plan was made for inputs of shapes {self._shapes}, got "
-                                    f"{shapes}; re-plan for this batch shape")
+    def _new_run(self, args: tuple, flat: list, transfers: Transfers) -> "_Run":
         env = {}
         for node, kind in self._cap.kinds.items():
             env[node] = flat[self._cap.targets[node]] if kind == "input" else self._cap.values[node]
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if not params:
-            raise InvalidInputError("remat.apply: the model has no parameter that requires grad")
         self._args = args
-        device = params[0].device
-        if self._transfers is None or self._transfers.device != device:
-            self._transfers = Transfers(device)
-        return _Step.apply(_Run(self, env, self._transfers), *params)
-
-    @property
-    def host_peak_bytes(self) -> int:
-        """Host bytes the last step's swap-outs held (what the plan predicts as host_peak_bytes)."""
-        return self._transfers.pool.peak if self._transfers is not None else 0
+        return _Run(self, env, transfers)
 
 
-class _Run:
-    """The state of one step: resident values, graphs, gradients, RNG states."""
+class RunBase:
+    """What the state of every planned step shares: host copies and pending transfers (`wait`),
+    the RNG states of random nodes (`rng_of`), and the end of the step (`end`)."""
 
-    def __init__(self, step: PlannedStep, env: dict, transfers: Transfers):
+    def __init__(self, step: PlannedBase, transfers: Transfers):
         self.step = step
         self.transfers = transfers
         self.device = transfers.device
         transfers.pool.reset_peak()
-        self.host: dict[int, _HostCopy] = {}   # swapped-out forward nodes
+        self.host: dict[int, Any] = {}         # swapped-out node -> its host copy
         self.pending: dict[int, Any] = {}      # node -> event of its last transfer not yet waited for
+        self.rng: dict[int, tuple] = {}
+        self.computed: set[int] = set()
+
+    def wait(self, v: int | None) -> None:
+        """The compute stream waits for v's last transfer (``wait v``, or before a use of v)."""
+        if v is not None and v in self.pending:
+            self.transfers.wait(self.pending.pop(v))
+
+    @contextlib.contextmanager
+    def rng_of(self, v: int, random: bool) -> Iterator[None]:
+        """Run node v: a random node's first run records the CPU (and, on CUDA, the device's)
+        generator state; a recomputation runs with that state and leaves the generators as
+        they were."""
+        if not random:
+            yield
+            return
+        cuda = [self.device] if self.device.type == "cuda" else []
+        if v not in self.computed:
+            self.rng[v] = (torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda))
+            yield
+            return
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+            torch.set_rng_state(self.rng[v][0])
+            for d, state in zip(cuda, self.rng[v][1:]):
+                torch.cuda.set_rng_state(state, d)
+            yield
+
+    def end(self) -> None:
+        self.host.clear()
+        self.pending.clear()
+        self.transfers.end_step()
+
+
+class _Run(RunBase):
+    """The state of one step: resident values, graphs, gradients, RNG states."""
+
+    def __init__(self, step: PlannedStep, env: dict, transfers: Transfers):
+        super().__init__(step, transfers)
         self.const = env               # placeholders: parameters, buffers, inputs, constants
         self.anchor = torch.zeros((), requires_grad=True)
         self.static = {t.untyped_storage()._cdata for t in env.values() if isinstance(t, torch.Tensor)}
         self.live: dict[int, _Live] = {}
         self.grads: dict = {}          # fx node -> gradient of that value
-        self.rng: dict[int, tuple] = {}
-        self.computed: set[int] = set()
         self.loss_live: _Live | None = None
         self.loss_value: torch.Tensor | None = None
 
     # values
+    def _resident(self, node: Any) -> Any:
+        """The value of `node` if it is resident now (a placeholder, or a live output), else None."""
+        if node in self.const:
+            return self.const[node]
+        lv = self.live.get(self.step._producer.get(node))
+        return lv.outputs.get(node) if lv is not None and lv.outputs is not None else None
+
     def value(self, node: Any) -> torch.Tensor:
         if node in self.const:
             return self.const[node]
@@ -351,18 +422,9 @@ class _Run:
                 return x
             return x.as_strided(h.size, h.stride, h.offset)
 
-        cuda = [self.device] if self.device.type == "cuda" else []
-        rng_ctx = torch.random.fork_rng(devices=cuda, device_type="cuda") if (fn.random and not first) else _null()
-        with rng_ctx:
-            if fn.random:
-                if first:
-                    self.rng[v] = (torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda))
-                else:
-                    torch.set_rng_state(self.rng[v][0])
-                    for d, state in zip(cuda, self.rng[v][1:]):
-                        torch.cuda.set_rng_state(state, d)
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                outs = fn.run(values)
+        with self.rng_of(v, fn.random), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            outs = fn.run(values)
         del values
         self.computed.add(v)
         outputs = dict(zip(fn.outputs, outs))
@@ -386,7 +448,7 @@ class _Run:
         del saved
         edges = [(n, torch.autograd.graph.get_gradient_edge(o)) for n, o in outputs.items()
                  if isinstance(o, torch.Tensor) and o.requires_grad]
-        lv = _Live(outputs, edges, bool(held), held, {key for _, key in leaves} | self.static)
+        lv = _Live(outputs, edges, held, {key for _, key in leaves})
         if v == self.step._loss_id:
             self.loss_live = lv
             self.loss_value = outs[0]
@@ -429,18 +491,14 @@ class _Run:
         moved = StorageSet()
         producer_inputs = {}
         for i in self.step._fns[v].inputs:
-            x = self.const.get(i) if i in self.const else None
-            if x is None:
-                j = self.step._producer.get(i)
-                lvj = self.live.get(j)
-                x = lvj.outputs.get(i) if lvj is not None and lvj.outputs is not None else None
+            x = self._resident(i)
             if isinstance(x, torch.Tensor):
                 producer_inputs.setdefault(storage_key(x), i)
         outputs = []
         for n, t in lv.outputs.items():
             if not isinstance(t, torch.Tensor):
                 outputs.append((n, ("value", t)))
-            elif storage_key(t) in lv.foreign:
+            elif storage_key(t) in lv.foreign or storage_key(t) in self.static:
                 src = producer_inputs.get(storage_key(t))
                 if src is None:
                     raise RuntimeError(f"remat.apply: swap_out of {self.step._fns[v].name}: output {n.name} is a "
@@ -478,11 +536,6 @@ class _Run:
         self.live[v] = lv
         self.pending[v] = event
 
-    def wait(self, v: int | None) -> None:
-        """The compute stream waits for v's last transfer (``wait v``, or before a use of v)."""
-        if v is not None and v in self.pending:
-            self.transfers.wait(self.pending.pop(v))
-
     def start_backward(self, grad_loss: torch.Tensor) -> None:
         """The loss's backward (part of the loss node) with the incoming gradient."""
         lv = self.loss_live
@@ -495,9 +548,7 @@ class _Run:
     def end(self) -> None:
         self.live.clear()
         self.grads.clear()
-        self.host.clear()
-        self.pending.clear()
-        self.transfers.end_step()
+        super().end()
 
 
 class _Entry(torch.autograd.Function):
@@ -546,14 +597,6 @@ class _Step(torch.autograd.Function):
         return (None,) * len(ctx.needs_input_grad)
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def apply(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any = None, loss_fn: Callable | None = None, *,
           example_kwargs: dict | None = None) -> PlannedStep:
     """A module whose call runs one training step of `model` as `plan` says: ``loss =
@@ -571,4 +614,4 @@ def apply(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any = None
     return PlannedStep(model, plan, example_inputs, loss_fn, example_kwargs)
 
 
-__all__ = ["apply", "PlannedStep", "SWAP_MESSAGE"]
+__all__ = ["apply", "PlannedBase", "PlannedStep", "RunBase", "SWAP_MESSAGE"]

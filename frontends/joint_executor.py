@@ -46,111 +46,48 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
 
 from remat.errors import InvalidInputError
 from remat.plan import Plan
 
 from .joint import STATIC, JointProgram, capture_joint, placeholder_values, program_from_graph
-from .executor import _Step
+from .executor import PlannedBase, RunBase
 from .transfer import StorageSet, Transfers
 
 log = logging.getLogger(__name__)
 
-SWAP_MESSAGE = ("joint granularity: the plan swaps node {node} ({name}), a {kind} node; the executor swaps forward "
-                "nodes only: re-plan with remat's solvers, which keep to that rule")
-
-
-class PlannedJointStep(torch.nn.Module):
+class PlannedJointStep(PlannedBase):
     """``planned(*inputs) -> loss`` that runs `plan`'s ops over the joint graph; see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, example_inputs: Any = None, loss_fn: Callable | None = None,
                  example_kwargs: dict | None = None):
-        super().__init__()
-        from .trace import _split_inputs, default_loss
         if plan.graph.meta.get("granularity") != "joint":
             raise InvalidInputError("remat.apply: the plan's graph is not a joint graph (granularity "
                                     f"{plan.graph.meta.get('granularity')!r}); use remat.frontends.executor.apply")
-        for o in plan.schedule.ops:
-            v = plan.graph.nodes[o.node]
-            if o.op in ("swap_out", "swap_in") and v.kind != "forward":
-                raise NotImplementedError(SWAP_MESSAGE.format(node=o.node, name=v.name, kind=v.kind))
-        self._transfers: Transfers | None = None
-        self.model = model
-        self.plan = plan
-        self.loss_fn = loss_fn or default_loss
-        # called after every op of the plan with (op, index): a probe for tests and tools
-        self.on_op: Callable | None = None
-        self._ready = False
-        if example_inputs is not None or example_kwargs is not None:
-            self._prepare(*_split_inputs(example_inputs, example_kwargs))
+        super().__init__(model, plan, example_inputs, loss_fn, example_kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:
-        from .trace import model_fingerprint
-        model, graph = self.model, self.plan.graph
-        meta = graph.meta
-        shapes = [list(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if meta.get("model_fingerprint") is not None and meta["model_fingerprint"] != model_fingerprint(model):
-            raise InvalidInputError(
-                f"remat.apply: the plan was made for a model with other parameters or buffers (fingerprint "
-                f"{meta['model_fingerprint']}, this model's is {model_fingerprint(model)}): re-plan "
-                "(remat.trace(..., granularity='joint'), remat.plan)")
-        if meta.get("input_shapes") is not None and meta["input_shapes"] != shapes:
-            raise InvalidInputError(f"remat.apply: the plan was made for inputs of shapes {meta['input_shapes']}, "
-                                    f"these have {shapes}: re-plan for this batch shape")
-        cap = capture_joint(model, args, kwargs, self.loss_fn)
-        self._prog: JointProgram = program_from_graph(cap, graph)
-        self._shapes = shapes
-        loss_id = self._prog.loss_id
-        ops = self.plan.schedule.ops
-        split = next((k for k, o in enumerate(ops) if o.op == "compute" and o.node == loss_id), None)
-        if split is None:
-            raise InvalidInputError("remat.apply: the plan never computes the loss node")
-        self._fwd_ops, self._bwd_ops = ops[:split + 1], ops[split + 1:]
+        self._check_model(args, kwargs)
+        cap = capture_joint(self.model, args, kwargs, self.loss_fn)
+        self._prog: JointProgram = program_from_graph(cap, self.plan.graph)
+        self._split_ops(self._prog.loss_id)
         self._ready = True
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not torch.is_grad_enabled() or not self.model.training:
-            return self.loss_fn(self.model(*args, **kwargs), *args)
-        if not self._ready:  # no example inputs given: the first batch is the example
-            self._prepare(args, kwargs)
-        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        shapes = [list(t.shape) for t in flat]
-        if shapes != self._shapes:
-            raise InvalidInputError(f"remat.apply: the plan was made for inputs of shapes {self._shapes}, got "
-                                    f"{shapes}; re-plan for this batch shape")
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if not params:
-            raise InvalidInputError("remat.apply: the model has no parameter that requires grad")
-        if self._transfers is None or self._transfers.device != params[0].device:
-            self._transfers = Transfers(params[0].device)
-        run = _JointRun(self, [t.detach() for t in flat], self._transfers)
-        return _Step.apply(run, *params)
-
-    @property
-    def host_peak_bytes(self) -> int:
-        """Host bytes the last step's swap-outs held (the plan's predicted host_peak_bytes)."""
-        return self._transfers.pool.peak if self._transfers is not None else 0
+    def _new_run(self, args: tuple, flat: list, transfers: Transfers) -> "_JointRun":
+        return _JointRun(self, [t.detach() for t in flat if isinstance(t, torch.Tensor)], transfers)
 
 
-class _JointRun:
+class _JointRun(RunBase):
     """The state of one step: resident values per node, RNG states, what has been applied."""
 
     def __init__(self, step: PlannedJointStep, flat_inputs: list, transfers: Transfers):
-        self.step = step
+        super().__init__(step, transfers)   # host: swapped-out node -> (host buffers, value layouts)
         self.prog: JointProgram = step._prog
         self.model = step.model
-        self.transfers = transfers
-        self.device = transfers.device
-        transfers.pool.reset_peak()
-        self.host: dict[int, tuple] = {}       # swapped-out node -> (host buffers, value layouts)
-        self.pending: dict[int, Any] = {}      # node -> event of its last transfer not yet waited for
         self.const: dict = placeholder_values(self.prog.cap, step.model, flat_inputs)
         with torch.no_grad():
             self.prog.run_static(self.const)
         self.values: dict[int, dict] = {}
-        self.rng: dict[int, tuple] = {}
-        self.computed: set[int] = set()
         self.updated: set[str] = set()     # buffers updated this step
         self.warned: set[int] = set()
         self.loss_value: torch.Tensor | None = None
@@ -203,11 +140,6 @@ class _JointRun:
                           for n, how in layout.items()}
         self.pending[g] = event
 
-    def wait(self, g: int) -> None:
-        """The compute stream waits for g's last transfer (``wait g``, or before a use of g)."""
-        if g in self.pending:
-            self.transfers.wait(self.pending.pop(g))
-
     def compute(self, g: int) -> None:
         prog = self.prog
         if g in self.values:
@@ -215,17 +147,8 @@ class _JointRun:
         first = g not in self.computed
         if not first and self.updated:
             self._check_buffer_reads(g)
-        cuda = [self.device] if self.device.type == "cuda" else []
         with torch.no_grad():
-            if prog.random[g] and not first:
-                with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-                    torch.set_rng_state(self.rng[g][0])
-                    for d, state in zip(cuda, self.rng[g][1:]):
-                        torch.cuda.set_rng_state(state, d)
-                    local = prog.run(g, self.lookup)
-            else:
-                if prog.random[g]:
-                    self.rng[g] = (torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda))
+            with self.rng_of(g, prog.random[g]):
                 local = prog.run(g, self.lookup)
             kept = set(prog.keep[g])
             for node, what, fqn in prog.sinks[g]:
@@ -287,10 +210,8 @@ class _JointRun:
     def end(self) -> None:
         self.values.clear()
         self.const.clear()
-        self.host.clear()
-        self.pending.clear()
         self.loss_value = None
-        self.transfers.end_step()
+        super().end()
 
 
 def apply_joint(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any = None,
@@ -303,4 +224,4 @@ def apply_joint(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any 
     return PlannedJointStep(model, plan, example_inputs, loss_fn, example_kwargs)
 
 
-__all__ = ["apply_joint", "PlannedJointStep", "SWAP_MESSAGE"]
+__all__ = ["apply_joint", "PlannedJointStep"]
