@@ -116,10 +116,13 @@ def trace_model(spec: str, *, batch: int | None = None, input_shape: tuple | Non
     from .trace import trace
     model, inputs, name = load_model(spec, batch=batch, input_shape=input_shape, full=full)
     graph = trace(model, inputs, name=name, progress=progress, **options)
-    # how to build the model again (`remat run --plan` without MODEL)
-    graph.meta["model_spec"] = {"model": spec, "batch": batch, "input_shape": list(input_shape) if input_shape else None,
-                                "full": full}
+    graph.meta["model_spec"] = model_spec(spec, batch, input_shape, full)
     return graph
+
+
+def model_spec(spec: str, batch: int | None, input_shape: tuple | None, full: bool) -> dict:
+    """How to build the model again from a graph's meta (`remat run --plan` without MODEL)."""
+    return {"model": spec, "batch": batch, "input_shape": list(input_shape) if input_shape else None, "full": full}
 
 
 def run_run(args: Any) -> int:
@@ -132,10 +135,10 @@ def run_run(args: Any) -> int:
     if args.plan is not None:
         p = load_plan(args.plan)
         spec = p.graph.meta.get("model_spec") or {}
-        model_spec = args.model or spec.get("model")
-        if model_spec is None:
+        which = args.model or spec.get("model")
+        if which is None:
             raise InvalidInputError("remat run: the plan does not say which model it was traced from; give MODEL")
-        model, inputs, name = load_model(model_spec, batch=args.batch if args.batch is not None else spec.get("batch"),
+        model, inputs, name = load_model(which, batch=args.batch if args.batch is not None else spec.get("batch"),
                                          input_shape=shape or (tuple(spec["input_shape"]) if spec.get("input_shape")
                                                                else None),
                                          full=args.full or bool(spec.get("full")))
@@ -145,8 +148,7 @@ def run_run(args: Any) -> int:
         model, inputs, name = load_model(args.model, batch=args.batch, input_shape=shape, full=args.full)
         from .trace import trace
         graph = trace(model, inputs, name=name, progress=not args.no_progress)
-        graph.meta["model_spec"] = {"model": args.model, "batch": args.batch,
-                                    "input_shape": list(shape) if shape else None, "full": args.full}
+        graph.meta["model_spec"] = model_spec(args.model, args.batch, shape, args.full)
         from remat.cli import _solver_options
         p = make_plan(graph, args.budget, args.solver, **_solver_options(args))
         if args.output:

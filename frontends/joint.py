@@ -477,7 +477,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable |
     nodes are described in the module docstring.  Raises `InvalidInputError` for bad input and
     `CaptureError` when aot_export_module cannot capture the model (the message says why).
     """
-    from .trace import _batch, _dtype, fixed_bytes, host_device_bandwidth, model_fingerprint, prepare_trace
+    from .trace import fixed_bytes, prepare_trace, step_meta
     t_start = time.perf_counter()
     if profile not in ("measure", "flops"):
         raise InvalidInputError(f"profile: expected 'measure' or 'flops', got {profile!r}")
@@ -509,7 +509,6 @@ def trace_joint(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable |
                 b.copy_(saved)
     t_profile = time.perf_counter() - t0
     fixed, breakdown = fixed_bytes(model, args, kwargs, optimizer)
-    bw, bw_meta = host_device_bandwidth(dev)
     nodes = []
     for g, (members, kind, p) in enumerate(zip(prog.groups, prog.kinds, profs)):
         head = members[0]
@@ -530,29 +529,12 @@ def trace_joint(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable |
         nodes.append(Node(g, node_name, kind, float(t), int(p.bytes), int(p.workspace), extra))
     edges = [(p, g) for g, ps in enumerate(prog.preds) for p in ps]
     meta = {
-        "model": model_name,
-        "batch": _batch(args, kwargs),
-        "input_shapes": [list(t.shape) for t in flat],
-        "dtype": _dtype(model, args, kwargs),
-        "device": str(dev),
-        "torch": torch.__version__,
-        "profiler": profile,
-        "profile_options": ({"repeats": repeats, "warmup": warmup, "timer": Timer(dev).name, "statistic": "median"}
-                            if profile == "measure" else
-                            {"flops_per_s": fm.flops_per_s, "bytes_per_s": fm.bytes_per_s,
-                             "formula": "flops / flops_per_s + allocated bytes / bytes_per_s"}),
+        **step_meta(model, args, kwargs, dev, model_name, profile, repeats, warmup, fm, loss, optimizer, breakdown),
         "granularity": "joint",
         "depth": None,
         "capture": CAPTURE_METHOD,
         "backward_edges": "saved",
         "capture_notes": [],
-        "loss": getattr(loss, "__name__", type(loss).__name__),
-        "training": model.training,
-        "optimizer": optimizer,
-        "fixed_breakdown": breakdown,
-        "model_fingerprint": model_fingerprint(model),
-        "bandwidth": bw,
-        **bw_meta,
         "rng_nodes": [g for g in range(len(nodes)) if prog.random[g]],
         "buffer_mutations": {nodes[g].name: [f for _, k, f in prog.sinks[g] if k == "buffer"]
                              for g in range(len(nodes)) if any(k == "buffer" for _, k, _ in prog.sinks[g])},

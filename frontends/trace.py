@@ -24,10 +24,9 @@ What a node costs (DESIGN.md, "Modelling memory honestly"):
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -149,32 +148,15 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
                 b.copy_(saved)
 
     fixed, breakdown = fixed_bytes(model, args, kwargs, optimizer)
-    bw, bw_meta = host_device_bandwidth(dev)
     graph = _assemble(cap, stages, profs, loss_prof, rng_flags, mutated, profile, flops_model, fixed,
                       backward_edges=backward_edges, meta={
-        "model": model_name,
-        "batch": _batch(args, kwargs),
-        "input_shapes": [list(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)],
-        "dtype": _dtype(model, args, kwargs),
-        "device": str(dev),
-        "torch": torch.__version__,
-        "profiler": profile,
-        "profile_options": ({"repeats": repeats, "warmup": warmup, "timer": "cuda events" if dev.type == "cuda"
-                             else "perf_counter", "statistic": "median"} if profile == "measure" else
-                            {"flops_per_s": flops_model.flops_per_s, "bytes_per_s": flops_model.bytes_per_s,
-                             "formula": "flops / flops_per_s + allocated bytes / bytes_per_s"}),
+        **step_meta(model, args, kwargs, dev, model_name, profile, repeats, warmup, flops_model, loss, optimizer,
+                    breakdown),
         "granularity": granularity,
         "depth": depth if granularity == "module" else None,
         "capture": cap.method,
         "backward_edges": backward_edges,
         "capture_notes": list(cap.notes) + ([fallback_note] if fallback_note else []),
-        "loss": getattr(loss, "__name__", type(loss).__name__),
-        "training": model.training,
-        "optimizer": optimizer,
-        "fixed_breakdown": breakdown,
-        "model_fingerprint": model_fingerprint(model),
-        "bandwidth": bw,
-        **bw_meta,
     })
     total = time.perf_counter() - t_start
     graph.meta["trace_seconds"] = {"capture": round(t_capture, 4), "profile": round(t_profile, 4),
@@ -255,6 +237,34 @@ def prepare_trace(model: torch.nn.Module, example_inputs: Any, example_kwargs: d
     args, kwargs = tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, (args, kwargs))
     return (args, kwargs, dev, repeats, loss_fn or default_loss, name or type(model).__name__,
             flops_model or FlopsModel())
+
+
+def step_meta(model: torch.nn.Module, args: tuple, kwargs: dict, dev: torch.device, model_name: str, profile: str,
+              repeats: int, warmup: int, flops_model: "FlopsModel", loss: Callable, optimizer: str | None,
+              breakdown: dict) -> dict:
+    """The meta every granularity's graph records: the model and its inputs, the profiler and
+    its options, the loss, the fixed bytes' breakdown, the model's fingerprint, the host link."""
+    bw, bw_meta = host_device_bandwidth(dev)
+    return {
+        "model": model_name,
+        "batch": _batch(args, kwargs),
+        "input_shapes": [list(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)],
+        "dtype": _dtype(model, args, kwargs),
+        "device": str(dev),
+        "torch": torch.__version__,
+        "profiler": profile,
+        "profile_options": ({"repeats": repeats, "warmup": warmup, "timer": "cuda events" if dev.type == "cuda"
+                             else "perf_counter", "statistic": "median"} if profile == "measure" else
+                            {"flops_per_s": flops_model.flops_per_s, "bytes_per_s": flops_model.bytes_per_s,
+                             "formula": "flops / flops_per_s + allocated bytes / bytes_per_s"}),
+        "loss": getattr(loss, "__name__", type(loss).__name__),
+        "training": model.training,
+        "optimizer": optimizer,
+        "fixed_breakdown": breakdown,
+        "model_fingerprint": model_fingerprint(model),
+        "bandwidth": bw,
+        **bw_meta,
+    }
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
