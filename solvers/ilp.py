@@ -403,25 +403,36 @@ _WARM_START_SOLVERS = ("checkpoint-all", "chen-greedy", "griewank", "chen-sqrtn"
                        "dtr-eq", "dtr")
 
 
-def best_baseline(graph: Graph, budget_bytes: int, bandwidth: float | None = None) -> Schedule | None:
-    """The fastest baseline schedule (pruned of waste) that fits, or None.  DTR's op lists are
-    cast into stages (`stages_from_ops`) so that they can seed the ILP too."""
+def baseline_schedules(graph: Graph, budget_bytes: int, solvers: tuple = _WARM_START_SOLVERS, *,
+                       op_lists: bool = False, skip_above: dict | None = None):
+    """(name, schedule) for each of `solvers` that runs at `budget_bytes`, in that order.  An
+    op-list schedule (DTR's) comes cast into stages (`stages_from_ops`) and pruned of waste, so
+    that it can seed the ILP; with `op_lists` also as the bare op list (``name + " (op list)"``),
+    which the stage cast can push over the budget.  Whether a schedule fits is for the caller to
+    check.  `skip_above`: solver name -> the node count above which it is too slow to run."""
     from remat.schedule import stages_from_ops
     from . import get, names
-    best, best_time = None, math.inf
-    for nm in _WARM_START_SOLVERS:
-        if nm not in names():
+    for nm in solvers:
+        if nm not in names() or graph.n > (skip_above or {}).get(nm, graph.n):
             continue
         try:
             sch = get(nm)(graph, budget_bytes)
-        except (InfeasibleBudgetError, InvalidInputError):
+        except (InfeasibleBudgetError, InvalidInputError, SolverError):
             continue
         if sch.stages is None:
             stages = stages_from_ops(graph, sch.ops)
-            if stages is None:
-                continue
-            sch = Schedule.from_stages(graph, stages)
-        sch = prune_waste(graph, sch)
+            if stages is not None:
+                yield nm, prune_waste(graph, Schedule.from_stages(graph, stages))
+            if op_lists:
+                yield f"{nm} (op list)", Schedule(list(sch.ops))
+        else:
+            yield nm, prune_waste(graph, sch)
+
+
+def best_baseline(graph: Graph, budget_bytes: int, bandwidth: float | None = None) -> Schedule | None:
+    """The fastest baseline schedule (pruned of waste, in stages) that fits, or None."""
+    best, best_time = None, math.inf
+    for nm, sch in baseline_schedules(graph, budget_bytes):
         res = simulate(graph, sch, bandwidth)
         if res.valid and res.peak_bytes <= budget_bytes and res.time < best_time:
             best, best_time = sch, res.time

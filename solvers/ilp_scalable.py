@@ -80,7 +80,7 @@ import time as _time
 from dataclasses import dataclass
 from typing import Callable
 
-from remat.errors import InfeasibleBudgetError, InvalidInputError, SolverError
+from remat.errors import InfeasibleBudgetError, SolverError
 from remat.graph import Graph, Node
 from remat.schedule import Schedule, Stage
 from remat.simulate import simulate
@@ -393,29 +393,6 @@ BASELINES = ("dtr-eq", "dtr", "dtr-msps", "dtr-local", "checkpoint-all", "griewa
 SLOW_BASELINES = {"chen-greedy": 300, "checkpoint-last-node": 300}  # skipped above this many nodes
 
 
-def _baselines(graph: Graph, budget_bytes: int):
-    """(name, schedule) for every baseline in `BASELINES` that runs, cheapest first.  An op-list
-    schedule (DTR's) comes cast into stages and pruned of waste (what can seed an ILP), and also
-    as the bare op list, which the stage cast can push over the budget; fitting it is for the
-    caller to check."""
-    from remat.schedule import stages_from_ops
-    from . import get, names
-    for nm in BASELINES:
-        if nm not in names() or graph.n > SLOW_BASELINES.get(nm, graph.n):
-            continue
-        try:
-            sch = get(nm)(graph, budget_bytes)
-        except (InfeasibleBudgetError, InvalidInputError, SolverError):
-            continue
-        if sch.stages is None:
-            stages = stages_from_ops(graph, sch.ops)
-            if stages is not None:
-                yield nm, ilp.prune_waste(graph, Schedule.from_stages(graph, stages))
-            yield f"{nm} (op list)", Schedule(list(sch.ops))
-        else:
-            yield nm, ilp.prune_waste(graph, sch)
-
-
 def _gap(obj: float, bound: float | None) -> float | None:
     if bound is None or obj <= 0:
         return None
@@ -505,7 +482,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                 f"{graph.fixed_bytes} fixed bytes", budget_bytes, min_feasible_lower_bound=need,
                 fixed_bytes=graph.fixed_bytes)
         raise_bound(kb, "knapsack")
-    for name, sched in _baselines(graph, budget_bytes):
+    for name, sched in ilp.baseline_schedules(graph, budget_bytes, BASELINES, op_lists=True,
+                                              skip_above=SLOW_BASELINES):
         offer(sched, f"baseline {name}")
 
     units = model_units(graph) * (3 if swap else 1)  # swap adds SO, SI, SF and their rows
