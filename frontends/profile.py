@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from .measure import StorageTracker, storage_bytes, storage_key, unique_bytes
 

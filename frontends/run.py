@@ -14,7 +14,6 @@ The global RNG is seeded with `seed` first, so a run is reproducible.
 """
 from __future__ import annotations
 
-import logging
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,7 +28,6 @@ from .executor import apply
 from .measure import Measurement, measure
 from .trace import _split_inputs, default_loss
 
-log = logging.getLogger(__name__)
 
 __all__ = ["run_plan", "RunReport", "random_batch"]
 

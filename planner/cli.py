@@ -61,7 +61,6 @@ def _solver_options(args: argparse.Namespace) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .graph import Graph
     from .plan import plan
     graph = _graph_or_model(args.graph, progress=not args.no_progress)
     base = baseline_peak(graph)
