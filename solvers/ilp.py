@@ -151,8 +151,11 @@ def _time_unit(graph: Graph) -> float:
 
 def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth: float | None = None,
                 max_memory_units: int = 1_000_000, relax: bool = False, recompute_backward: bool = False,
-                round_down: bool = False, name: str = "remat") -> Model:
-    """The ILP (or, with relax=True, its LP relaxation) for `graph` under `budget_bytes`."""
+                round_down: bool = False, name: str = "remat", r_support: set | None = None) -> Model:
+    """The ILP (or, with relax=True, its LP relaxation) for `graph` under `budget_bytes`.
+
+    `r_support`: the only (stage, node) pairs that may be recomputed (every other R is 0 and not
+    created): a restriction of the model, used by `shift_search`; its bound is not the graph's."""
     n = graph.n
     act_budget = budget_bytes - graph.fixed_bytes
     q, M, W, B, quantised = _memory_scale(graph, max(act_budget, 0), max_memory_units, round_down)
@@ -176,7 +179,8 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     for t in range(n):
         for i in range(t):
             if not sink[i]:
-                if recompute_backward or graph.nodes[i].kind == "forward":
+                if (recompute_backward or graph.nodes[i].kind == "forward") and \
+                        (r_support is None or (t, i) in r_support):
                     R[t, i] = var("R", t, i)
                 S[t, i] = var("S", t, i)
                 if swap and M[i] > 0 and (recompute_backward or graph.nodes[i].kind == "forward"):
@@ -440,6 +444,91 @@ def best_baseline(graph: Graph, budget_bytes: int, bandwidth: float | None = Non
     return best
 
 
+SEED_SLACK = (0.0, 0.125, 0.25)  # budgets (activation bytes x (1 + slack)) the seeds of shift_search run at
+SHIFTS = (0, 1)                  # stages a seed's recomputation may move by
+WARM_SEARCH_SHARE = 0.2          # of the time limit, spent on shift searches for the warm start
+
+
+def near_seeds(graph: Graph, budget_bytes: int, slack: tuple = SEED_SLACK,
+               bandwidth: float | None = None) -> list[tuple[float, str, Schedule]]:
+    """Valid baseline schedules (time, name, schedule) at `budget_bytes` and at looser budgets,
+    the nearest budget first, one per distinct recomputation pattern: the seeds of `shift_search`.  Those
+    that peak above the budget are what makes them useful: revolve with one more snapshot, say,
+    often fits once each recomputation moves into the stage that consumes it."""
+    act = max(0, budget_bytes - graph.fixed_bytes)
+    seen: set = set()
+    out = []
+    for sl in slack:
+        for nm, sched in baseline_schedules(graph, graph.fixed_bytes + int(act * (1 + sl))):
+            key = tuple(tuple(st.compute) for st in sched.stages)
+            if key in seen:
+                continue
+            seen.add(key)
+            res = simulate(graph, sched, bandwidth)
+            if res.valid:
+                out.append((res.time, f"{nm} at {1 + sl:g}x the budget", sched))
+    return out
+
+
+def searched_warm_start(graph: Graph, budget_bytes: int, *, time_limit: float | None, threads: int | None = None,
+                        backend: str = "cbc", bandwidth: float | None = None, recompute_backward: bool = False,
+                        max_seeds: int = 4) -> Schedule | None:
+    """The best baseline that fits, improved by `shift_search` around the `max_seeds` fastest
+    seeds (`near_seeds`) that beat it, within `time_limit` seconds in all."""
+    t0 = _time.perf_counter()
+    seeds = near_seeds(graph, budget_bytes, bandwidth=bandwidth)
+    best, best_time = None, math.inf
+    for tm, nm, sched in seeds:
+        if tm < best_time and simulate(graph, sched, bandwidth).peak_bytes <= budget_bytes:
+            best, best_time = sched, tm
+            best.report = {"name": nm.split(" at ")[0]}
+    tried = 0
+    for tm, nm, sched in seeds:
+        left = None if time_limit is None else time_limit - (_time.perf_counter() - t0)
+        if tried >= max_seeds or (left is not None and left < 0.5):
+            break
+        if tm >= best_time * (1 - 1e-12):
+            continue
+        tried += 1
+        found = shift_search(graph, budget_bytes, sched, threads=threads, backend=backend, bandwidth=bandwidth,
+                             recompute_backward=recompute_backward,
+                             time_limit=None if left is None else max(0.5, left / (max_seeds - tried + 1)))
+        if found is not None:
+            t_found = simulate(graph, found, bandwidth).time
+            if t_found < best_time * (1 - 1e-12):
+                best, best_time = found, t_found
+                best.report = {"name": f"shift search around {nm}"}
+    log.info("ilp: warm start %s (%.6g) after %d shift searches in %.1f s", best.report["name"] if best else None,
+             best_time, tried, _time.perf_counter() - t0)
+    return best
+
+
+def shift_search(graph: Graph, budget_bytes: int, seed: Schedule, *, time_limit: float | None,
+                 threads: int | None = None, backend: str = "cbc", bandwidth: float | None = None,
+                 recompute_backward: bool = False, shifts: tuple = SHIFTS) -> Schedule | None:
+    """The recompute-only ILP restricted to `seed`'s recomputations, each allowed in its own stage
+    or `shifts` stages later: a neighbourhood small enough to solve in a second or two, which
+    repairs a seed that peaks a little above the budget (a value prepared in the stage before its
+    consumer costs memory there; recomputed in the consumer's stage it does not) and keeps the
+    best of its variants.  Returns the schedule if it fits, else None; its bound is not the graph's.
+
+    Measured (benchmarks/solve_scaling.py, chain of 32 layers at 9 units): revolve fits only
+    with 5 snapshots (134); with 6 snapshots (126, peak 10 units) shifted it fits in 9 units,
+    which is the exact optimum on every shorter chain where the full ILP proves one."""
+    support = {(t + d, i) for t, st in enumerate(seed.stages or []) for i in st.compute if i != t for d in shifts}
+    support = {(t, i) for t, i in support if i < t < graph.n}
+    m = build_model(graph, budget_bytes, swap=False, bandwidth=bandwidth, recompute_backward=recompute_backward,
+                    r_support=support, name="remat_shift")
+    if m.meta["quantised"]:
+        return None  # the quantised model may not hold the seed's schedules; not worth it
+    out = _run(m, backend, time_limit, 0.0, threads, False, False)
+    if out["sol_status"] not in (1, 2) or out["objective"] is None or not _integral(m):
+        return None
+    sched = schedule_from_model(graph, m)
+    res = simulate(graph, sched, bandwidth)
+    return sched if res.valid and res.peak_bytes <= budget_bytes else None
+
+
 _CBC_RESULT = re.compile(r"^Result - (.*)$", re.M)
 _CBC_OBJ = re.compile(r"^Objective value:\s*([-+0-9.eE]+)", re.M)
 _CBC_BOUND = re.compile(r"^Lower bound:\s*([-+0-9.eE]+)", re.M)
@@ -649,7 +738,12 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                                   progress=progress, msg=msg, **options)
     t0 = _time.perf_counter()
     _check_budget(graph, budget_bytes)
-    warm = best_baseline(graph, budget_bytes, bandwidth) if warm_start else None
+    if warm_start and not swap:
+        warm = searched_warm_start(graph, budget_bytes, bandwidth=bandwidth, threads=threads, backend=backend,
+                                   recompute_backward=recompute_backward,
+                                   time_limit=None if time_limit is None else WARM_SEARCH_SHARE * time_limit)
+    else:
+        warm = best_baseline(graph, budget_bytes, bandwidth) if warm_start else None
     if swap and warm_start:
         # recompute-only is a restriction of the swap model and solves much faster: a third of
         # the time on it gives the swap model a strong start (and ends the search when it already

@@ -9,7 +9,7 @@ from exhaustive import exhaustive_optimum
 from remat import Graph, Node, simulate
 from remat.errors import InfeasibleBudgetError
 from remat.generators import linear_chain, random_layered, unet
-from remat.solvers import get, ilp, lp_round, names
+from remat.solvers import get, griewank, ilp, lp_round, names
 from remat.solvers.baselines import checkpoint_all
 
 
@@ -333,3 +333,48 @@ def test_swap_ilp_starts_from_the_recompute_only_optimum():
     free = ilp.solve(g, simulate(g, checkpoint_all(g)).peak_bytes, swap=True, time_limit=30)
     assert free.report["status"] == "optimal" and free.report["objective"] == g.total_time
     assert "recompute-only optimum" in free.report["solver_result"]
+
+
+def test_shift_search_fits_revolve_with_one_more_snapshot():
+    # revolve with 6 snapshots peaks at 10 units on chain32; with each recomputation allowed one
+    # stage later (into the stage that consumes it) the same work fits in 9 units
+    g = linear_chain(32)
+    seed = griewank.griewank_schedule(g, 6)
+    assert simulate(g, seed).peak_bytes == 10 and simulate(g, seed).time == 126.0
+    s = ilp.shift_search(g, 9, seed, time_limit=30)
+    r = simulate(g, s)
+    assert r.valid and r.peak_bytes <= 9 and r.time == 126.0
+    allowed = {(t + d, i) for t, st in enumerate(seed.stages) for i in st.compute for d in ilp.SHIFTS}
+    assert all((t, i) in allowed for t, st in enumerate(s.stages) for i in st.compute)
+    # the whole revolve sweep fits only 5 snapshots at 9 units: 8 units of time more
+    assert simulate(g, get("griewank")(g, 9)).time == 134.0
+
+
+def test_restricted_support_recomputes_nothing_else():
+    g = linear_chain(6)
+    m = ilp.build_model(g, 5, swap=False, r_support=set())
+    assert not m.R
+    m = ilp.build_model(g, 5, swap=False, r_support={(9, 2)})
+    assert set(m.R) == {(9, 2)}
+
+
+@pytest.mark.parametrize("n", [8, 10])
+def test_chain_optimum_is_revolve_with_budget_minus_three_snapshots(n):
+    # exact optima of the chain with unit costs match revolve's count with s = B - 3 snapshots
+    # (the gradients in and out and the layer's input and output take the other three units);
+    # the warm-start search already reaches them
+    g = linear_chain(n)
+    for b in range(5, 9):
+        expect = 3 * n + 1 + griewank.binomial_cost(n, b - 3) - (n - 1)
+        s = ilp.solve(g, b, swap=False, time_limit=60)
+        assert s.report["status"] == "optimal" and s.report["objective"] == expect
+        w = ilp.searched_warm_start(g, b, time_limit=10)
+        assert simulate(g, w).time == expect
+
+
+def test_chain32_at_9_units_reaches_revolve_count_quickly():
+    # was 133-134 from CBC in 40 s; the shift-searched warm start gives 126 = 97 + t(32, 6) - 31
+    g = linear_chain(32)
+    s = ilp.solve(g, 9, swap=False, time_limit=8)
+    assert s.report["objective"] == 126.0 and s.report["lower_bound"] <= 126.0
+    assert s.report["warm_start"].startswith("shift search around griewank")
