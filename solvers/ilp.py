@@ -73,7 +73,9 @@ schedule stays feasible in exact bytes, and the report's ``memory_quantum`` says
 bound are those of the quantised model.
 
 Solving: CBC through PuLP by default (HiGHS optional), warm-started from the best baseline that
-fits.  PuLP reports a time-limited CBC run with an incumbent as "Optimal"; we read `sol_status`
+fits or, without swap, from what `shift_search` finds around the baselines run at slightly looser
+budgets (the recompute-only ILP restricted to a seed's recomputations, each in its stage or the
+next; a fifth of the time limit).  PuLP reports a time-limited CBC run with an incumbent as "Optimal"; we read `sol_status`
 and CBC's own bound from its log, and report ``status`` "optimal" only when proven, else
 "feasible" with ``lower_bound`` and ``gap``.
 """
@@ -447,6 +449,7 @@ def best_baseline(graph: Graph, budget_bytes: int, bandwidth: float | None = Non
 SEED_SLACK = (0.0, 0.125, 0.25)  # budgets (activation bytes x (1 + slack)) the seeds of shift_search run at
 SHIFTS = (0, 1)                  # stages a seed's recomputation may move by
 WARM_SEARCH_SHARE = 0.2          # of the time limit, spent on shift searches for the warm start
+SHIFT_SEARCH_S = 10.0            # per shift search when the solve has no time limit
 
 
 def near_seeds(graph: Graph, budget_bytes: int, slack: tuple = SEED_SLACK,
@@ -492,7 +495,7 @@ def searched_warm_start(graph: Graph, budget_bytes: int, *, time_limit: float | 
         tried += 1
         found = shift_search(graph, budget_bytes, sched, threads=threads, backend=backend, bandwidth=bandwidth,
                              recompute_backward=recompute_backward,
-                             time_limit=None if left is None else max(0.5, left / (max_seeds - tried + 1)))
+                             time_limit=SHIFT_SEARCH_S if left is None else max(0.5, left / (max_seeds - tried + 1)))
         if found is not None:
             t_found = simulate(graph, found, bandwidth).time
             if t_found < best_time * (1 - 1e-12):
@@ -519,8 +522,7 @@ def shift_search(graph: Graph, budget_bytes: int, seed: Schedule, *, time_limit:
     support = {(t, i) for t, i in support if i < t < graph.n}
     m = build_model(graph, budget_bytes, swap=False, bandwidth=bandwidth, recompute_backward=recompute_backward,
                     r_support=support, name="remat_shift")
-    if m.meta["quantised"]:
-        return None  # the quantised model may not hold the seed's schedules; not worth it
+    # (quantised memory rounds sizes up: still a restriction whose schedules fit in exact bytes)
     out = _run(m, backend, time_limit, 0.0, threads, False, False)
     if out["sol_status"] not in (1, 2) or out["objective"] is None or not _integral(m):
         return None
@@ -599,48 +601,101 @@ class _LogWatcher(threading.Thread):
                 self.callback(_time.perf_counter() - t0, self.incumbent, self.bound)
 
 
-def _line_buffered_cbc() -> str | None:
-    """A script that runs pulp's CBC with line-buffered output (so its log can be followed live),
-    or None where `stdbuf` is missing."""
+# CBC overruns its own limit in preprocessing and infeasibility proofs (seen: 215 s against 30 on
+# a 121-node random DAG): it is interrupted at limit * 1.1 + 3 s (SIGINT: it stops and writes its
+# incumbent) and killed 5 s later (SIGINT does not stop its preprocessing)
+WATCHDOG_GRACE = (1.1, 3.0)
+WATCHDOG_KILL_S = 5.0
+
+
+def _cbc_binary() -> str:
+    return pulp.PULP_CBC_CMD().path
+
+
+def _cbc_wrapper(pidfile: str, line_buffered: bool) -> str:
+    """A script that records its pid in `pidfile` and execs pulp's CBC (line-buffered when asked
+    and `stdbuf` exists, so its log can be followed live)."""
     import shutil
-    stdbuf = shutil.which("stdbuf")
-    if stdbuf is None:
-        return None
-    path = os.path.join(tempfile.gettempdir(), f"remat_cbc_linebuf_{os.getuid()}.sh")
-    if not os.path.exists(path):
-        cbc = pulp.PULP_CBC_CMD().path
-        with open(path + ".tmp", "w") as fh:
-            fh.write(f'#!/bin/sh\nexec "{stdbuf}" -oL "{cbc}" "$@"\n')
-        os.chmod(path + ".tmp", 0o755)
-        os.replace(path + ".tmp", path)
+    stdbuf = shutil.which("stdbuf") if line_buffered else None
+    run = f'"{stdbuf}" -oL "{_cbc_binary()}"' if stdbuf else f'"{_cbc_binary()}"'
+    path = os.path.join(os.path.dirname(pidfile), "cbc.sh")
+    with open(path, "w") as fh:
+        fh.write(f'#!/bin/sh\necho $$ > "{pidfile}"\nexec {run} "$@"\n')
+    os.chmod(path, 0o755)
     return path
+
+
+class _Watchdog(threading.Thread):
+    """Interrupts CBC (SIGINT: it stops and writes its incumbent) when it runs well past its
+    time limit, and kills it if that does not end it."""
+
+    def __init__(self, pidfile: str, time_limit: float):
+        super().__init__(daemon=True)
+        self.pidfile, self.deadline = pidfile, time_limit * WATCHDOG_GRACE[0] + WATCHDOG_GRACE[1]
+        self.done = threading.Event()
+        self.fired: str | None = None
+
+    def _signal(self, sig: int) -> bool:
+        import signal as _signal
+        try:
+            with open(self.pidfile) as fh:
+                os.kill(int(fh.read().strip()), sig)
+            self.fired = "interrupted" if sig == _signal.SIGINT else "killed"
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def run(self) -> None:
+        import signal as _signal
+        if self.done.wait(self.deadline):
+            return
+        log.warning("CBC is still running %.0f s after its start (time limit %.0f s); interrupting it",
+                    self.deadline, (self.deadline - WATCHDOG_GRACE[1]) / WATCHDOG_GRACE[0])
+        self._signal(_signal.SIGINT)
+        if not self.done.wait(WATCHDOG_KILL_S):
+            self._signal(_signal.SIGKILL)
 
 
 def _run_cbc(m: Model, time_limit: float | None, gap: float, threads: int | None, warm: bool,
              msg: bool, options: list[str] | None = None,
              progress: Callable[[float, float | None, float | None], None] | None = None) -> dict:
-    fd, logpath = tempfile.mkstemp(prefix="remat_cbc_", suffix=".log")
-    os.close(fd)
+    workdir = tempfile.mkdtemp(prefix="remat_cbc_")
+    logpath = os.path.join(workdir, "cbc.log")
+    pidfile = os.path.join(workdir, "pid")
     watcher = None
+    guard = _Watchdog(pidfile, time_limit) if time_limit else None
     try:
         # A MIP start under an elapsed-time limit crashes CBC more often than under a CPU-time
         # limit (the same with one thread, shorter with more).
         kw = dict(msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None, threads=threads,
                   warmStart=warm, logPath=logpath, timeMode="cpu" if warm and time_limit else "elapsed",
                   options=options or [])
-        wrapper = _line_buffered_cbc() if progress is not None else None
-        solver = pulp.COIN_CMD(path=wrapper, **kw) if wrapper else pulp.PULP_CBC_CMD(**kw)
+        solver = pulp.COIN_CMD(path=_cbc_wrapper(pidfile, progress is not None), **kw)
         if progress is not None:
             watcher = _LogWatcher(logpath, progress)
             watcher.start()
-        m.prob.solve(solver)
-        with open(logpath) as fh:
-            return parse_cbc_log(fh.read())
+        if guard is not None:
+            guard.start()
+        try:
+            m.prob.solve(solver)
+        except pulp.PulpSolverError:
+            if guard is None or guard.fired is None:
+                raise
+        text = open(logpath).read() if os.path.exists(logpath) else ""
+        info = parse_cbc_log(text)
+        if guard is not None and guard.fired is not None:
+            info["watchdog"] = guard.fired
+            info.setdefault("result", f"Stopped by remat ({guard.fired} {guard.deadline:.0f} s after the start, past "
+                                      f"CBC's time limit)")
+        return info
     finally:
+        if guard is not None:
+            guard.done.set()
         if watcher is not None:
             watcher.done.set()
             watcher.join()
-        os.unlink(logpath)
+        import shutil
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: int | None,

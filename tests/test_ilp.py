@@ -378,3 +378,25 @@ def test_chain32_at_9_units_reaches_revolve_count_quickly():
     s = ilp.solve(g, 9, swap=False, time_limit=8)
     assert s.report["objective"] == 126.0 and s.report["lower_bound"] <= 126.0
     assert s.report["warm_start"].startswith("shift search around griewank")
+
+
+@pytest.mark.parametrize("ignores_sigint", [False, True])
+def test_watchdog_stops_a_cbc_that_overruns_its_time_limit(tmp_path, monkeypatch, ignores_sigint):
+    # CBC ignores its own limit in preprocessing and infeasibility proofs (seen: 215 s against
+    # 30); a stand-in that never ends is interrupted, or killed, and the warm start comes back
+    fake = tmp_path / "cbc"
+    trap = "trap '' INT\n" if ignores_sigint else ""
+    fake.write_text(f"#!/bin/sh\n{trap}exec sleep 600\n")  # an ignored SIGINT stays ignored across exec
+    fake.chmod(0o755)
+    monkeypatch.setattr(ilp, "_cbc_binary", lambda: str(fake))
+    monkeypatch.setattr(ilp, "WATCHDOG_GRACE", (1.0, 0.5))
+    monkeypatch.setattr(ilp, "WATCHDOG_KILL_S", 1.0)
+    g = linear_chain(8)
+    import time as _t
+    t0 = _t.perf_counter()
+    s = ilp.solve(g, 6, swap=False, time_limit=1.0)
+    assert _t.perf_counter() - t0 < 30
+    r = s.report
+    assert "Stopped by remat" in r["solver_result"] and "returned the warm start" in r["solver_result"]
+    assert ("killed" if ignores_sigint else "interrupted") in r["solver_result"]
+    assert r["status"] == "feasible" and simulate(g, s).peak_bytes <= 6
