@@ -32,6 +32,7 @@ stage time   tau[t] >= F_t + sum_i C_i R[t,i];  tau[t] >= F_t + sum_i (M_i / ban
              with F_t = sum_i (M_i / bandwidth) SF[t,i] (fetches run first and are waited for)
 no_waste     S[t,i] <= S[t+1,i] + SO[t,i] + sum_{k in succ(i), k <= t} R[t,k]
              R[t,i] <= S[t+1,i] + sum_{k in succ(i), i < k <= t} R[t,k]          (i < t)
+             SO[t,i] <= sum_{t' > t} (SI[t',i] + SF[t',i])   (a host copy is brought back)
 
 Objective: min sum_t tau[t] (with swap) or min sum_{t,i} C_i R[t,i] (without: Checkmate's).
 
@@ -297,6 +298,9 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     for (t, i), v in R.items():
         used = [r(t, k) for k in succs[i] if i < k <= t]
         add(v <= s(t + 1, i) + pulp.lpSum(used), f"no_waste_recompute_{t}_{i}")
+    for (t, i), v in SO.items():  # a host copy nothing brings back (e.g. of a value already dead)
+        back = [d[tt, i] for d in (SI, SF) for tt in range(t + 1, n) if (tt, i) in d]
+        add(v <= pulp.lpSum(back), f"no_waste_swap_out_{t}_{i}")
 
     # objective
     tau: dict = {}
@@ -371,7 +375,8 @@ def set_warm_start(m: Model, schedule: Schedule) -> None:
 
 
 def prune_waste(graph: Graph, schedule: Schedule) -> Schedule:
-    """Remove kept/recomputed/fetched values that nothing uses (the ILP's no_waste rows), to a fixpoint."""
+    """Remove kept/recomputed/fetched values that nothing uses and swap-outs that nothing brings
+    back (the ILP's no_waste rows), to a fixpoint."""
     assert schedule.stages is not None
     n = len(schedule.stages)
     R = [set(s.compute) for s in schedule.stages]
@@ -400,6 +405,10 @@ def prune_waste(graph: Graph, schedule: Schedule) -> Schedule:
             for i in sorted(SF[t]):
                 if i not in nxt and not any(k in R[t] for k in succs[i]):
                     SF[t].discard(i)
+                    changed = True
+            for i in sorted(SO[t]):
+                if not any(i in SI[tt] or i in SF[tt] for tt in range(t + 1, n)):
+                    SO[t].discard(i)
                     changed = True
     return Schedule.from_stages(graph, [Stage(sorted(R[t]), sorted(S[t]), sorted(SO[t]), sorted(SI[t]),
                                               sorted(SF[t])) for t in range(n)])
@@ -515,9 +524,9 @@ def shift_search(graph: Graph, budget_bytes: int, seed: Schedule, *, time_limit:
     consumer costs memory there; recomputed in the consumer's stage it does not) and keeps the
     best of its variants.  Returns the schedule if it fits, else None; its bound is not the graph's.
 
-    Measured (benchmarks/solve_scaling.py, chain of 32 layers at 9 units): revolve fits only
-    with 5 snapshots (134); with 6 snapshots (126, peak 10 units) shifted it fits in 9 units,
-    which is the exact optimum on every shorter chain where the full ILP proves one."""
+    Chain of 32 layers at 9 units (tests/test_ilp.py): revolve fits only with 5 snapshots (134);
+    with 6 snapshots (126, peak 10 units) shifted it fits in 9 units.  On shorter chains the same
+    construction meets the exact optimum wherever the full ILP proves one."""
     support = {(t + d, i) for t, st in enumerate(seed.stages or []) for i in st.compute if i != t for d in shifts}
     support = {(t, i) for t, i in support if i < t < graph.n}
     m = build_model(graph, budget_bytes, swap=False, bandwidth=bandwidth, recompute_backward=recompute_backward,
