@@ -473,6 +473,15 @@ class _Run(RunBase):
         pairs = [(e, self.grads[n]) for n, e in lv.edges if n in self.grads]
         fn = self.step._fns[v]
         params = [p for p in (self.const[fn.inputs[k]] for k in fn.params) if p.requires_grad]
+        # from here on v's graph alone holds what it saved of its own, so the engine frees each
+        # saved tensor right after the autograd node that uses it, as plain autograd does (and as
+        # the profiler measured the backward's workspace); held until `free v`, they would stay
+        # alive under the gradients of the rest of v's backward (GPT-2's MLP: +17 KiB, 0.9 %)
+        lv.held = []
+        hc = self.host.get(v)
+        if hc is not None and hc.live is lv:
+            hc.handles = []
+        del hc
         if pairs:
             torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs], inputs=params + [self.anchor])
         del pairs
