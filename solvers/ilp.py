@@ -532,6 +532,8 @@ def shift_search(graph: Graph, budget_bytes: int, seed: Schedule, *, time_limit:
     m = build_model(graph, budget_bytes, swap=False, bandwidth=bandwidth, recompute_backward=recompute_backward,
                     r_support=support, name="remat_shift")
     # (quantised memory rounds sizes up: still a restriction whose schedules fit in exact bytes)
+    # no MIP start: measured on ResNet-50 at 0.3x, CBC started from the seed stayed there in 30 s
+    # (and ran under a CPU-time limit), while without it found 4.5 % less in 40 s
     out = _run(m, backend, time_limit, 0.0, threads, False, False)
     if out["sol_status"] not in (1, 2) or out["objective"] is None or not _integral(m):
         return None
