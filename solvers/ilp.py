@@ -519,7 +519,8 @@ def shift_search(graph: Graph, budget_bytes: int, seed: Schedule, *, time_limit:
                  threads: int | None = None, backend: str = "cbc", bandwidth: float | None = None,
                  recompute_backward: bool = False, shifts: tuple = SHIFTS) -> Schedule | None:
     """The recompute-only ILP restricted to `seed`'s recomputations, each allowed in its own stage
-    or `shifts` stages later: a neighbourhood small enough to solve in a second or two, which
+    or `shifts` stages later: a neighbourhood far smaller than the full model (a second or two on
+    a 65-node chain, tens of seconds on 200-node zoo graphs at tight budgets), which
     repairs a seed that peaks a little above the budget (a value prepared in the stage before its
     consumer costs memory there; recomputed in the consumer's stage it does not) and keeps the
     best of its variants.  Returns the schedule if it fits, else None; its bound is not the graph's.
