@@ -319,6 +319,14 @@ class RunBase:
                 torch.cuda.set_rng_state(state, d)
             yield
 
+    def run_op(self, op) -> None:
+        """Perform one op of the plan; `run_compute` and `free` are each executor's own."""
+        handler = {"compute": self.run_compute, "free": self.free, "swap_out": self.swap_out,
+                   "swap_in": self.swap_in, "wait": self.wait}.get(op.op)
+        if handler is None:
+            raise RuntimeError(f"remat.apply: unknown op {op.op!r}")
+        handler(op.node)
+
     def end(self) -> None:
         self.host.clear()
         self.pending.clear()
@@ -357,30 +365,21 @@ class _Run(RunBase):
                                "is needed but not resident: the plan does not match what autograd saved")
         return lv.outputs[node]
 
-    def run_op(self, op) -> None:
+    def free(self, v: int) -> None:
+        if v < self.step._m:
+            lv = self.live.get(v)
+            if lv is not None:
+                lv.outputs = None
+                hc = self.host.get(v)
+                if hc is not None and hc.live is lv:
+                    for h in lv.held:   # on the host now; the graph stays for v's backward
+                        h.t = None
+                elif lv.owns_tensors:
+                    del self.live[v]
+
+    def run_compute(self, v: int) -> None:
         s = self.step
-        v = op.node
-        if op.op == "free":
-            if v < s._m:
-                lv = self.live.get(v)
-                if lv is not None:
-                    lv.outputs = None
-                    hc = self.host.get(v)
-                    if hc is not None and hc.live is lv:
-                        for h in lv.held:   # on the host now; the graph stays for v's backward
-                            h.t = None
-                    elif lv.owns_tensors:
-                        del self.live[v]
-            return
-        if op.op == "swap_out":
-            return self.swap_out(v)
-        if op.op == "swap_in":
-            return self.swap_in(v)
-        if op.op == "wait":
-            return self.wait(v)
-        if v < s._m:
-            self.compute(v)
-        elif v == s._loss_id:
+        if v < s._m or v == s._loss_id:
             self.compute(v)
         else:
             self.backward(s._fwd_of[v])

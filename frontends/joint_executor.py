@@ -103,19 +103,8 @@ class _JointRun(RunBase):
                                "needed but not resident: the plan does not follow the graph's edges")
         return vals[x]
 
-    def run_op(self, op) -> None:
-        if op.op == "compute":
-            self.compute(op.node)
-        elif op.op == "free":
-            self.values.pop(op.node, None)
-        elif op.op == "swap_out":
-            self.swap_out(op.node)
-        elif op.op == "swap_in":
-            self.swap_in(op.node)
-        elif op.op == "wait":
-            self.wait(op.node)
-        else:
-            raise RuntimeError(f"remat.apply: unknown op {op.op!r}")
+    def free(self, g: int) -> None:
+        self.values.pop(g, None)
 
     # ---- swaps -----------------------------------------------------------------------------
     def swap_out(self, g: int) -> None:
@@ -140,7 +129,7 @@ class _JointRun(RunBase):
                           for n, how in layout.items()}
         self.pending[g] = event
 
-    def compute(self, g: int) -> None:
+    def run_compute(self, g: int) -> None:
         prog = self.prog
         if g in self.values:
             raise RuntimeError(f"remat.apply: node {g} is computed while resident: the plan is not valid")
