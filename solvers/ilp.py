@@ -86,6 +86,8 @@ import logging
 import math
 import os
 import re
+import shutil
+import signal
 import tempfile
 import threading
 import time as _time
@@ -462,8 +464,8 @@ SHIFT_SEARCH_S = 10.0            # per shift search when the solve has no time l
 
 
 def near_seeds(graph: Graph, budget_bytes: int, slack: tuple = SEED_SLACK,
-               bandwidth: float | None = None) -> list[tuple[float, str, Schedule]]:
-    """Valid baseline schedules (time, name, schedule) at `budget_bytes` and at looser budgets,
+               bandwidth: float | None = None) -> list[tuple[float, int, str, Schedule]]:
+    """Valid baseline schedules (time, peak bytes, name, schedule) at `budget_bytes` and at looser budgets,
     the nearest budget first, one per distinct recomputation pattern: the seeds of `shift_search`.  Those
     that peak above the budget are what makes them useful: revolve with one more snapshot, say,
     often fits once each recomputation moves into the stage that consumes it."""
@@ -478,7 +480,7 @@ def near_seeds(graph: Graph, budget_bytes: int, slack: tuple = SEED_SLACK,
             seen.add(key)
             res = simulate(graph, sched, bandwidth)
             if res.valid:
-                out.append((res.time, f"{nm} at {1 + sl:g}x the budget", sched))
+                out.append((res.time, res.peak_bytes, f"{nm} at {1 + sl:g}x the budget", sched))
     return out
 
 
@@ -490,12 +492,12 @@ def searched_warm_start(graph: Graph, budget_bytes: int, *, time_limit: float | 
     t0 = _time.perf_counter()
     seeds = near_seeds(graph, budget_bytes, bandwidth=bandwidth)
     best, best_time = None, math.inf
-    for tm, nm, sched in seeds:
-        if tm < best_time and simulate(graph, sched, bandwidth).peak_bytes <= budget_bytes:
+    for tm, peak, nm, sched in seeds:
+        if tm < best_time and peak <= budget_bytes:
             best, best_time = sched, tm
             best.report = {"name": nm.split(" at ")[0]}
     tried = 0
-    for tm, nm, sched in seeds:
+    for tm, _, nm, sched in seeds:
         left = None if time_limit is None else time_limit - (_time.perf_counter() - t0)
         if tried >= max_seeds or (left is not None and left < 0.5):
             break
@@ -630,7 +632,6 @@ def _cbc_binary() -> str:
 def _cbc_wrapper(pidfile: str, line_buffered: bool) -> str:
     """A script that records its pid in `pidfile` and execs pulp's CBC (line-buffered when asked
     and `stdbuf` exists, so its log can be followed live)."""
-    import shutil
     stdbuf = shutil.which("stdbuf") if line_buffered else None
     run = f'"{stdbuf}" -oL "{_cbc_binary()}"' if stdbuf else f'"{_cbc_binary()}"'
     path = os.path.join(os.path.dirname(pidfile), "cbc.sh")
@@ -651,24 +652,22 @@ class _Watchdog(threading.Thread):
         self.fired: str | None = None
 
     def _signal(self, sig: int) -> bool:
-        import signal as _signal
         try:
             with open(self.pidfile) as fh:
                 os.kill(int(fh.read().strip()), sig)
-            self.fired = "interrupted" if sig == _signal.SIGINT else "killed"
+            self.fired = "interrupted" if sig == signal.SIGINT else "killed"
             return True
         except (OSError, ValueError):
             return False
 
     def run(self) -> None:
-        import signal as _signal
         if self.done.wait(self.deadline):
             return
         log.warning("CBC is still running %.0f s after its start (time limit %.0f s); interrupting it",
                     self.deadline, (self.deadline - WATCHDOG_GRACE[1]) / WATCHDOG_GRACE[0])
-        self._signal(_signal.SIGINT)
+        self._signal(signal.SIGINT)
         if not self.done.wait(WATCHDOG_KILL_S):
-            self._signal(_signal.SIGKILL)
+            self._signal(signal.SIGKILL)
 
 
 def _run_cbc(m: Model, time_limit: float | None, gap: float, threads: int | None, warm: bool,
@@ -709,7 +708,6 @@ def _run_cbc(m: Model, time_limit: float | None, gap: float, threads: int | None
         if watcher is not None:
             watcher.done.set()
             watcher.join()
-        import shutil
         shutil.rmtree(workdir, ignore_errors=True)
 
 
