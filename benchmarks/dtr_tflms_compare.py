@@ -32,7 +32,7 @@ from remat.solvers.baselines import checkpoint_all
 SOLVERS = [("ilp", "ilp", {"swap": False}), ("ilp+swap", "ilp", {"swap": True}),
            ("dtr", "dtr", {}), ("dtr-eq", "dtr-eq", {}), ("dtr-local", "dtr-local", {}),
            ("dtr-lru", "dtr-lru", {}), ("dtr-size", "dtr-size", {}), ("dtr-msps", "dtr-msps", {}),
-           ("tflms", "tflms", {}), ("chen-greedy", "chen-greedy", {})]
+           ("lookahead", "lookahead", {}), ("tflms", "tflms", {}), ("chen-greedy", "chen-greedy", {})]
 ZOO_SIZES = {"resnet18": {"batch": 32, "image_size": 64}, "gpt2": {"batch": 8, "seq_len": 128},
              "mobilenet_v2": {"batch": 32, "image_size": 64}}
 # module depth of the trace: GPT-2's layers as single nodes floor every budget at 0.9x of the
@@ -102,7 +102,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/out/dtr_tflms_compare.csv")
     ap.add_argument("--zoo", default="", help="zoo models to trace and add, e.g. resnet18,gpt2")
     ap.add_argument("--no-synthetic", action="store_true", help="only the chain and the zoo models")
+    ap.add_argument("--solvers", default="", help="only these rows (comma list of labels), e.g. lookahead")
     args = ap.parse_args(argv)
+    solvers = [s for s in SOLVERS if not args.solvers or s[0] in args.solvers.split(",")]
     glist = graphs([z for z in args.zoo.split(",") if z], not args.no_synthetic)
     ratios = [float(x) for x in args.ratios.split(",")]
     out = Path(args.out)
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
         full = simulate(g, checkpoint_all(g)).peak_bytes
         for ratio in ratios:
             budget = int(full * ratio)
-            for label, solver, opts in SOLVERS:
+            for label, solver, opts in solvers:
                 r = run_one(g, budget, solver, opts, args.time_limit)
                 r.update(graph=gname, nodes=g.n, ratio=ratio, budget=budget, solver=label)
                 rows.append(r)
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
     head = ["solver"] + [f"{gname} {ratio}x" for gname, ratio in keys]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for label, _, _ in SOLVERS:
+    for label, _, _ in solvers:
         print("| " + " | ".join([label] + [cell(by[(gname, ratio, label)]) for gname, ratio in keys]) + " |")
     print(f"\nwrote {out} ({len(rows)} rows)")
     return 0

@@ -43,7 +43,19 @@ access; evict the minimum; a zero denominator gives infinity; ties go to the sma
 ``dtr-lru``    last access (evict the least recently used)
 ``dtr-size``   1 / m (evict the largest)
 ``dtr-msps``   (c(t) + sum c(evicted ancestors of t)) / m  (Capuchin's MSPS; no staleness)
+``lookahead``  (c(t) [+ sum c(evicted ancestors of t)]) / (m d^alpha), d = the program's plain
+               compute time from the current op to t's next use (not DTR: an offline policy)
 =============  ==================================================================
+
+``lookahead`` is ours, not the paper's: a static planner knows the whole program, so instead of
+staleness (how long ago t was used: DTR's runtime guess at how soon it is needed again) it
+can use how soon t is needed again, as Belady's MIN does for pages.  With no program use left
+(t is kept only to rebuild evicted descendants) d is the time to the end of the program.
+`lookahead_search` (the registered ``lookahead`` solver) replays a small grid of (numerator,
+alpha), then the best of them with its scores perturbed at random (seeded), and keeps the
+fastest schedule: each replay takes milliseconds to a few tenths of a second on 200-node
+graphs.  Measured on the zoo graphs (module granularity) against the best DTR heuristic:
+ResNet-50 at 0.3x 1.333 -> 1.279, U-Net (depth 3) at 0.3x 1.629 -> 1.341 (see README).
 
 Memory follows the simulator exactly (outputs allocated at compute, workspace only while the
 node runs, released at ``free``), and the budget is a hard cap checked before every compute,
@@ -53,6 +65,7 @@ prototype checked after each op, a soft cap).  Nothing here imports torch.
 from __future__ import annotations
 
 import math
+import random
 import sys
 from typing import Callable
 
@@ -62,7 +75,10 @@ from remat.schedule import Op, Schedule
 
 from . import register
 
-HEURISTICS = ("dtr", "dtr-eq", "dtr-local", "dtr-lru", "dtr-size", "dtr-msps")
+HEURISTICS = ("dtr", "dtr-eq", "dtr-local", "dtr-lru", "dtr-size", "dtr-msps", "lookahead")
+LOOKAHEAD_GRID = tuple((num, a) for num in ("ancestors", "local") for a in (0.25, 0.5, 0.75, 1.0, 1.5))
+LOOKAHEAD_NOISE = 0.3      # sigma of the log-normal factor on each score in the perturbed replays
+LOOKAHEAD_RESTARTS = 24    # perturbed replays of the best grid point
 INF = math.inf
 
 
@@ -73,7 +89,8 @@ class _Failure(Exception):
 class Replay:
     """One DTR run of `graph` under `budget_bytes` with one heuristic.  `run()` fills `ops`."""
 
-    def __init__(self, graph: Graph, budget_bytes: int, heuristic: str = "dtr", thrash_factor: float = 2.0):
+    def __init__(self, graph: Graph, budget_bytes: int, heuristic: str = "dtr", thrash_factor: float = 2.0,
+                 alpha: float = 1.0, numerator: str = "ancestors", noise: float = 0.0, seed: int = 0):
         if heuristic not in HEURISTICS:
             raise InvalidInputError(f"heuristic: unknown DTR heuristic {heuristic!r}; expected one of {HEURISTICS}")
         self.g = graph
@@ -112,7 +129,18 @@ class Replay:
         self._score: Callable[[int], float] = {
             "dtr": self._score_dtr, "dtr-eq": self._score_eq, "dtr-local": self._score_local,
             "dtr-lru": self._score_lru, "dtr-size": self._score_size, "dtr-msps": self._score_msps,
+            "lookahead": self._score_ahead,
         }[heuristic]
+        # lookahead: plain-program time before each op, the exponent, the numerator, the perturbation
+        if numerator not in ("ancestors", "local"):
+            raise InvalidInputError(f"numerator: expected 'ancestors' or 'local', got {numerator!r}")
+        self._at = [0.0] * (n + 1)
+        for k in range(n):
+            self._at[k + 1] = self._at[k] + self.cost[k]
+        self._alpha, self._ancestors = float(alpha), numerator == "ancestors"
+        self._noise = float(noise)
+        self._rng = random.Random(seed)
+        self._factor: dict[tuple[int, int], float] = {}
         self._components: dict[int, int] | None = None  # e* cache, dropped whenever `evicted` changes
         self._component_cost: list[float] = []
 
@@ -322,6 +350,19 @@ class Replay:
             stack.extend(u for u in self.preds[x] if u in self.evicted and u not in seen)
         return self._ratio(self.cost[t] + extra, self.size[t])
 
+    def _score_ahead(self, t: int) -> float:
+        k = self.stage
+        nxt = min((c for c in self.succs[t] if c >= k), default=None)
+        d = (self._at[nxt] if nxt is not None else self._at[-1]) - self._at[k]
+        num = self._score_msps(t) * self.size[t] if self._ancestors else self.cost[t]
+        score = self._ratio(num, self.size[t] * max(d, 1e-9 * self._at[-1]) ** self._alpha)
+        if self._noise > 0:  # one factor per (tensor, eviction): a replay is a fixed function of its seed
+            key = (t, self.stats["evictions"])
+            if key not in self._factor:
+                self._factor[key] = math.exp(self._noise * self._rng.gauss(0.0, 1.0))
+            score *= self._factor[key]
+        return score
+
     # ---- union-find (dtr-eq) -------------------------------------------------------------
     def _uf_find(self, h: int) -> int:
         p = self._uf_parent
@@ -355,15 +396,18 @@ class Replay:
 
 
 def solve(graph: Graph, budget_bytes: int, heuristic: str = "dtr", thrash_factor: float = 2.0,
+          alpha: float = 1.0, numerator: str = "ancestors", noise: float = 0.0, seed: int = 0,
           **_: object) -> Schedule:
     """DTR's replay under `budget_bytes` (whole-step bytes, fixed included) as a bare op list.
 
+    `alpha`, `numerator`, `noise` and `seed` are the ``lookahead`` heuristic's (module docstring).
     Raises InfeasibleBudgetError ("out of memory: nothing evictable" or "thrashing: compute >
     2x baseline") when DTR's runtime would fail.
     """
     if thrash_factor <= 0:
         raise InvalidInputError(f"thrash_factor: must be > 0, got {thrash_factor!r}")
-    rp = Replay(graph, budget_bytes, heuristic, thrash_factor)
+    rp = Replay(graph, budget_bytes, heuristic, thrash_factor, alpha=alpha, numerator=numerator, noise=noise,
+                seed=seed)
     try:
         ops = rp.run()
     except _Failure as e:
@@ -373,7 +417,41 @@ def solve(graph: Graph, budget_bytes: int, heuristic: str = "dtr", thrash_factor
     sched.report = {"name": heuristic, "status": "heuristic", "objective": rp.clock, "compute_time": rp.clock,
                     "overhead": rp.clock / base if base > 0 else 1.0, "peak_bytes": rp.peak,
                     "thrash_factor": thrash_factor, **rp.stats}
+    if heuristic == "lookahead":
+        sched.report.update(alpha=alpha, numerator=numerator, noise=noise, seed=seed)
     return sched
+
+
+@register("lookahead", "offline eviction replay: (cost [+ evicted ancestors]) / (bytes x time to next use^alpha), "
+                       "best of a small grid and seeded perturbations")
+def lookahead_search(graph: Graph, budget_bytes: int, *, grid: tuple = LOOKAHEAD_GRID,
+                     restarts: int = LOOKAHEAD_RESTARTS, noise: float = LOOKAHEAD_NOISE,
+                     thrash_factor: float = 2.0, **_: object) -> Schedule:
+    """The fastest ``lookahead`` replay over `grid` ((numerator, alpha) pairs), then over `restarts`
+    perturbed replays (seeds 1..restarts, log-normal factor `noise`) of the best grid point.
+    Deterministic.  Raises InfeasibleBudgetError when every replay fails (the first failure's)."""
+    best: Schedule | None = None
+    first_error: InfeasibleBudgetError | None = None
+    tries = [dict(numerator=num, alpha=a) for num, a in grid]
+    i = 0
+    while i < len(tries):
+        kw = tries[i]
+        i += 1
+        try:
+            sched = solve(graph, budget_bytes, "lookahead", thrash_factor, **kw)
+        except InfeasibleBudgetError as e:
+            first_error = first_error or e
+            continue
+        if best is None or sched.report["objective"] < best.report["objective"]:
+            best = sched
+        if i == len(grid) and best is not None and restarts > 0:
+            base = {k: best.report[k] for k in ("numerator", "alpha")}
+            tries += [dict(base, noise=noise, seed=s) for s in range(1, restarts + 1)]
+    if best is None:
+        raise first_error or InfeasibleBudgetError("lookahead: no replay fits", int(budget_bytes),
+                                                   fixed_bytes=graph.fixed_bytes)
+    best.report["replays"] = len(tries)
+    return best
 
 
 def _make(heuristic: str, description: str) -> Callable:

@@ -417,7 +417,7 @@ def prune_waste(graph: Graph, schedule: Schedule) -> Schedule:
 
 
 _WARM_START_SOLVERS = ("checkpoint-all", "chen-greedy", "griewank", "chen-sqrtn", "checkpoint-last-node",
-                       "dtr-eq", "dtr")
+                       "dtr-eq", "dtr", "lookahead")
 
 
 def baseline_schedules(graph: Graph, budget_bytes: int, solvers: tuple = _WARM_START_SOLVERS, *,

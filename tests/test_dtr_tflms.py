@@ -13,7 +13,7 @@ from remat.graph import Graph, Node
 from remat.solvers import _REGISTRY, dtr, get, ilp, names, tflms
 from remat.solvers.baselines import checkpoint_all
 
-DTR_NAMES = ["dtr", "dtr-eq", "dtr-local", "dtr-lru", "dtr-size", "dtr-msps"]
+DTR_NAMES = ["dtr", "dtr-eq", "dtr-local", "dtr-lru", "dtr-size", "dtr-msps", "lookahead"]
 ALL_NAMES = DTR_NAMES + ["tflms"]
 
 GRAPHS = {
@@ -99,6 +99,38 @@ def test_dtr_at_full_budget_recomputes_nothing_and_tight_budgets_recompute(gname
     s = dtr.dtr(g, int(full * 0.8))
     assert s.report["rematerializations"] > 0 and s.report["evictions"] > 0
     assert simulate(g, s).time > g.total_time
+
+
+def _belady_graph() -> Graph:
+    # a -> b -> c -> d -> e(d, a) -> f(e, b) -> loss; unit times and bytes.  At d, with a, b and c
+    # resident, 3 bytes force one eviction: a is the staler (DTR's choice) but e reads it next;
+    # b is read later, by f
+    nodes = [Node(i, "abcdef"[i], "forward", 1.0, 1) for i in range(6)] + [Node(6, "loss", "loss", 1.0, 1)]
+    edges = [(0, 1), (1, 2), (2, 3), (3, 4), (0, 4), (4, 5), (1, 5), (5, 6)]
+    return Graph(nodes, edges, 0, {"model": "belady"})
+
+
+def test_lookahead_evicts_what_is_needed_last_and_beats_staleness():
+    g = _belady_graph()
+    first_eviction = {}
+    times = {}
+    for h in ("dtr", "dtr-local", "dtr-msps", "lookahead"):
+        s = dtr.solve(g, 3, h, numerator="local")
+        frees = [o.node for o in s.ops if o.op == "free"]
+        first_eviction[h] = frees[0]
+        times[h] = simulate(g, s).time
+    assert first_eviction == {"dtr": 0, "dtr-local": 0, "dtr-msps": 0, "lookahead": 1}
+    assert times["lookahead"] == 9.0 and times["dtr"] == times["dtr-local"] == 10.0
+    # the search is deterministic, reports its choice, and is never worse than its grid's first point
+    g = GRAPHS["unet3"]
+    budget = budgets(g)[4]  # 0.6x: 1.255x the plain time
+    a, b = get("lookahead")(g, budget), get("lookahead")(g, budget)
+    assert a.ops == b.ops and a.report["replays"] == len(dtr.LOOKAHEAD_GRID) + dtr.LOOKAHEAD_RESTARTS
+    assert {"numerator", "alpha", "noise", "seed"} <= set(a.report)
+    plain = dtr.solve(g, budget, "lookahead", **dict(zip(("numerator", "alpha"), dtr.LOOKAHEAD_GRID[0])))
+    assert simulate(g, a).time <= simulate(g, plain).time + 1e-12
+    with pytest.raises(InvalidInputError, match="numerator"):
+        dtr.solve(g, budget, "lookahead", numerator="bogus")
 
 
 def test_dtr_peak_equals_simulator_peak_with_workspace_fixed_bytes_and_empty_nodes():
