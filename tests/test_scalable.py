@@ -77,6 +77,23 @@ def test_knapsack_bound_never_exceeds_the_exact_optimum(name, g):
             continue
         assert exact.report["status"] == "optimal"
         assert kb is not None and g.total_time <= kb <= exact.report["objective"] * (1 + 1e-9), (ratio, kb)
+        wb = ilp_scalable.window_bound(g, budget)
+        assert wb is not None and kb * (1 - 1e-9) <= wb <= exact.report["objective"] * (1 + 1e-9), (ratio, wb)
+
+
+@pytest.mark.parametrize("g,ratio,knapsack,window,optimum", [
+    (random_layered(15, seed=1), "0.8x", 136.571, 137.0, 137.0),
+    (random_layered(15, seed=1), "0.7x", 139.0, 143.0, 144.0),
+    (random_layered(12, seed=3), "0.7x", 89.0, 92.0, 95.0),
+], ids=["random15-0.8x", "random15-0.7x", "random12-0.7x"])
+def test_window_ip_bound_is_stronger_than_the_knapsack_and_below_the_optimum(g, ratio, knapsack, window, optimum):
+    # the window IP couples every instant (one binary per value and use); on random15 at 0.8x it
+    # proves the optimum where the knapsack (one instant, fractional) stops at 136.57
+    budget = parse_budget(ratio, g)
+    assert ilp_scalable.knapsack_bound(g, budget) == pytest.approx(knapsack, abs=1e-3)
+    assert ilp_scalable.window_bound(g, budget) == pytest.approx(window)
+    exact = ilp.solve(g, budget, swap=False, time_limit=30, threads=1, mode="exact")
+    assert exact.report["status"] == "optimal" and exact.report["objective"] == pytest.approx(optimum)
 
 
 def test_knapsack_bound_proves_chain_optimum_where_the_lp_does_not_need_to():
