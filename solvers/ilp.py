@@ -911,10 +911,10 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                                  max_memory_units=max_memory_units)[1]
         proven = bound is not None and objective <= bound * (1 + 1e-9)
         report["bound_from"] = "lp_relaxation_rounded_down"
-    if not proven and not swap and not recompute_backward:
+    if not proven and not recompute_backward:
         # the window IP (ilp_scalable.window_bound): integral where the LP is not; a tenth of a second
         from .ilp_scalable import window_bound
-        wb = window_bound(graph, budget_bytes, threads=threads)
+        wb = window_bound(graph, budget_bytes, threads=threads, swap=swap, bandwidth=bandwidth)
         if wb is not None and (bound is None or wb > bound * (1 + 1e-12)):
             bound = wb
             report["bound_from"] = "window IP"

@@ -60,6 +60,10 @@ Why the reported lower bound holds for the whole graph.  It is the largest of
   (`ilp.solve_relaxation(round_down=True)`: a relaxation of the exact model even when sizes
   need quantising), where it fits the time;
 * CBC's bound on the whole fine model (step 4c; only when the model is not quantised);
+* the *window IP*, `window_bound` (with or without swap; backward never recomputed): one binary
+  per (forward value, program use) saying whether the value is absent somewhere between the
+  use before and this one, one row per instant; proof in its docstring.  It dominates the
+  knapsack bound below and needs CBC for 0.01-0.2 s on the zoo graphs;
 * (recompute only, backward never recomputed) the *moment knapsack* bound, `knapsack_bound`:
   take the instant node t is computed for the first time (stage t).  Every value v < t that a
   node > t reads is then either resident or computed again later (cost C_v each; without swap
@@ -374,65 +378,94 @@ WINDOW_IP_S = 10.0  # CBC's limit on the window IP (it solves in 0.01-0.2 s on t
 
 
 def window_bound(graph: Graph, budget_bytes: int, time_limit: float | None = WINDOW_IP_S,
-                 threads: int | None = None) -> float | None:
-    """Lower bound on the recompute-only time (backward never recomputed) from the *window IP*,
-    an integer program over every instant at once; None when CBC gives no bound.
+                 threads: int | None = None, *, swap: bool = False, bandwidth: float | None = None) -> float | None:
+    """Lower bound on the step time (backward values never recomputed nor swapped, as in the ILP's
+    default model) from the *window IP*, an integer program over every instant at once; None
+    when CBC gives no bound.
 
     The instants are those of the knapsack bound (node t computed for the first time; a
     frontier-advancing schedule, staged or an op list in program order, runs first computes in
     id order).  Cut each forward value v's life at its program uses u_1 < u_2 < ...: window
     (v, u_j) is the instants strictly between u_{j-1} (or v) and u_j.  At u_{j-1} and u_j
     themselves v is an input, hence resident.  If v is absent at some instant of a window, it is
-    computed again between that instant and u_j, i.e. inside the window's span; spans of one
-    value are disjoint, so the recomputations are distinct.  With z[v,u] = 1 iff v is absent
-    somewhere in window (v, u), every schedule pays at least sum C_v z[v,u], and at every
-    instant t the values whose window covers t with z = 0 are resident all through it, so
+    brought back between that instant and u_j, i.e. inside the window's span, by a computation
+    or (with swap) a copy from the host; spans of one value are disjoint, so these events are
+    distinct.  With z[v,u] = 1 iff v is absent somewhere in window (v, u), at every instant t the
+    values whose window covers t with z = 0 are resident all through it, so
         sum_{(v,u) covers t} M_v (1 - z[v,u]) <= B - fixed - M_t - W_t - M(inputs of t)
                                                    - M(loss/backward values alive across t).
-    The minimum of sum C_v z over binary z under these rows is therefore a lower bound (CBC's
-    bound is used, so a time-limited run stays valid).  It dominates the knapsack bound (one
-    instant's row, solved fractionally); it ignores that a recomputation needs its own inputs
-    (on a unit chain it stops at the knapsack's 122 where the optimum is 126).  ResNet-50 (depth
-    2) at 0.3x: 1.122 against the knapsack's 1.107 and the full LP's 1.115, in 0.1 s."""
+    Recompute only: every schedule pays at least sum C_v z[v,u] on top of one pass, so the
+    minimum over binary z under these rows is a lower bound.  With swap, z = zr + zs (brought
+    back by a computation or by a host copy): the compute stream still runs one pass plus
+    sum C_v zr, and the one transfer stream carries M_v / bandwidth for every host copy brought
+    back and for at least one copy out (o_v >= zs[v,u]); the step lasts at least the longer of
+    the two, so min T with T >= each is the bound.  Forward values that cost no time are left out
+    (free to drop).  CBC's bound is used, so a time-limited run stays valid.
+
+    It dominates the knapsack bound (one instant's row, solved fractionally); it ignores that a
+    recomputation needs its own inputs (on a unit chain it stops where the knapsack does: 122
+    for 32 layers at 9 units, where the optimum is 126).  ResNet-50 (depth 2) at 0.3x: 1.122
+    against the knapsack's 1.107 and the full LP's 1.115, in 0.1 s."""
     n = graph.n
     cap0 = budget_bytes - graph.fixed_bytes
     C, M = graph.times, graph.sizes
     cu = ilp._time_unit(graph)
+    bw = float(bandwidth if bandwidth is not None else graph.bandwidth)
     unit = math.gcd(*[m for m in M if m > 0]) or 1
     succs = [sorted(set(s)) for s in graph.succs]
     fixed = [M[t] + graph.nodes[t].workspace_bytes + sum(M[i] for i in set(graph.preds[t])) for t in range(n)]
     cover: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     for v in range(n):
+        if M[v] <= 0 or (graph.nodes[v].kind == "forward" and C[v] <= 0):
+            continue  # holds nothing, or can be dropped and rebuilt for free
         prev = v
         for u in succs[v]:
             for t in range(prev + 1, u):
-                if graph.nodes[v].kind == "forward" and C[v] > 0:
+                if graph.nodes[v].kind == "forward":
                     cover[t].append((v, u))
                 else:
-                    fixed[t] += M[v]  # cannot be recomputed (or costs nothing to): count it resident
+                    fixed[t] += M[v]  # a gradient or the loss: resident until its last use
             prev = u
     if any(f > cap0 for f in fixed):
         return None
     prob = pulp.LpProblem("remat_window", pulp.LpMinimize)
-    z = {}
+    zr: dict = {}
+    zs: dict = {}
+    out_once: dict = {}
     for t in range(n):
         load = sum(M[v] for v, _ in cover[t])
-        if load + fixed[t] > cap0:
-            for key in cover[t]:
-                if key not in z:
-                    z[key] = pulp.LpVariable(f"z_{key[0]}_{key[1]}", 0, 1, pulp.LpBinary)
-            prob.addConstraint(pulp.lpSum((M[v] // unit) * z[v, u] for v, u in cover[t])
-                               >= (load + fixed[t] - cap0) / unit, f"instant_{t}")
-    if not z:
+        if load + fixed[t] <= cap0:
+            continue
+        for key in cover[t]:
+            if key not in zr:
+                zr[key] = pulp.LpVariable(f"zr_{key[0]}_{key[1]}", 0, 1, pulp.LpBinary)
+                if swap:
+                    zs[key] = pulp.LpVariable(f"zs_{key[0]}_{key[1]}", 0, 1, pulp.LpBinary)
+                    if key[0] not in out_once:
+                        out_once[key[0]] = pulp.LpVariable(f"o_{key[0]}", 0, 1, pulp.LpBinary)
+                    prob.addConstraint(zs[key] <= out_once[key[0]], f"out_before_in_{key[0]}_{key[1]}")
+                    prob.addConstraint(zr[key] + zs[key] <= 1, f"one_way_back_{key[0]}_{key[1]}")
+        prob.addConstraint(pulp.lpSum((M[v] // unit) * (zr[v, u] + zs.get((v, u), 0)) for v, u in cover[t])
+                           >= (load + fixed[t] - cap0) / unit, f"instant_{t}")
+    if not zr:
         return graph.total_time
-    prob += pulp.lpSum((C[v] / cu) * x for (v, _), x in z.items())
+    base = graph.total_time / cu
+    recompute = pulp.lpSum((C[v] / cu) * x for (v, _), x in zr.items())
+    if swap:
+        T = pulp.LpVariable("T", 0)
+        prob += T
+        prob.addConstraint(T >= base + recompute, "compute_stream")
+        prob.addConstraint(T >= pulp.lpSum((M[v] / bw / cu) * x for (v, _), x in zs.items())
+                           + pulp.lpSum((M[v] / bw / cu) * x for v, x in out_once.items()), "transfer_stream")
+    else:
+        prob += base + recompute
     try:
         out = ilp._run(SimpleNamespace(prob=prob, time_unit=1.0), "cbc", time_limit, 0.0, threads, False, False)
     except SolverError:
         return None
     if out["bound"] is None or out["infeasible"]:
         return None
-    return graph.total_time + out["bound"] * cu
+    return max(graph.total_time, out["bound"] * cu)
 
 
 # ---- the solver -------------------------------------------------------------------------------
@@ -559,8 +592,9 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                 f"{graph.fixed_bytes} fixed bytes", budget_bytes, min_feasible_lower_bound=need,
                 fixed_bytes=graph.fixed_bytes)
         raise_bound(kb, "knapsack")
-        raise_bound(window_bound(graph, budget_bytes, min(WINDOW_IP_S, share(0.05) or WINDOW_IP_S), threads),
-                    "window IP")
+    if not recompute_backward:
+        raise_bound(window_bound(graph, budget_bytes, min(WINDOW_IP_S, share(0.05) or WINDOW_IP_S), threads,
+                                 swap=swap, bandwidth=bandwidth), "window IP")
     for name, sched in ilp.baseline_schedules(graph, budget_bytes, BASELINES, op_lists=True,
                                               skip_above=SLOW_BASELINES):
         offer(sched, f"baseline {name}")
