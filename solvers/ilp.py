@@ -915,6 +915,9 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         # the window IP (ilp_scalable.window_bound): integral where the LP is not; a tenth of a second
         from .ilp_scalable import window_bound
         wb = window_bound(graph, budget_bytes, threads=threads, swap=swap, bandwidth=bandwidth)
+        if wb is not None and wb > objective * (1 + 1e-6) + 1e-9:  # as for CBC's bound above
+            log.warning("discarding the window IP's bound %.6g (above the incumbent %.6g)", wb, objective)
+            wb = None
         if wb is not None and (bound is None or wb > bound * (1 + 1e-12)):
             bound = wb
             report["bound_from"] = "window IP"

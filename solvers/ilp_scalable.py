@@ -577,6 +577,11 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         nonlocal bound, bound_from
         log.info("ilp-scalable: bound %.6g from %s (%.1f s)", value if value is not None else math.nan, source,
                  _time.perf_counter() - t0)
+        if value is not None and value > best_time * (1 + 1e-6) + 1e-12:
+            # above a schedule the simulator accepted: no bound (a solver's garbage, or a bug)
+            log.warning("ilp-scalable: discarding the %s bound %.6g (above the incumbent %.6g)", source, value,
+                        best_time)
+            return
         if value is not None and value > bound * (1 + 1e-12):
             bound, bound_from = value, source
             tell(f"bound:{source}")
@@ -639,6 +644,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         groups = fit_groups(graph, choose_groups(graph, n_coarse, cap), budget_bytes)
         co = coarsen(graph, groups)
         log.info("ilp-scalable: coarse graph of %d nodes (asked %d, run bytes <= %.3g)", co.graph.n, n_coarse, cap)
+        tell("coarse")  # the phase starts (CBC's log may show no incumbent of its own)
         if co.graph.n > COARSE_MAX or (co.graph.n >= graph.n and graph.n > COARSE_MAX):
             break
         try:
@@ -662,7 +668,6 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         coarse_report = dict(cs.report)
         log.info("ilp-scalable: coarse ILP %s, objective %.6g (%.1f s)", cs.report.get("status"),
                  cs.report.get("objective"), _time.perf_counter() - t0)
-        tell("coarse", cs.report.get("objective"), None)  # also when CBC's log showed no new incumbent
         if co.graph.n == graph.n:
             offer(cs, "exact ILP")
         else:
