@@ -639,7 +639,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     co = None
     # does the fine LP (and RINS after it) fit the time? then the coarse solve gets a smaller share
     follow = graph.n <= lp_max_nodes and (limit is None or LP_S_PER_UNIT * units <= 0.3 * limit)
-    while left() is None or left() > (2.0 if tries == 0 else max(2.0, 0.4 * limit)):
+    while (left() is None or left() > (2.0 if tries == 0 else max(2.0, 0.4 * limit))) \
+            and (best is None or (_gap(best_time, bound) or 0) > gap):  # (no work once the gap asked for is met)
         tries += 1
         groups = fit_groups(graph, choose_groups(graph, n_coarse, cap), budget_bytes)
         co = coarsen(graph, groups)
