@@ -11,6 +11,7 @@ from remat import simulate
 from remat.budget import parse_budget
 from remat.errors import InfeasibleBudgetError, InvalidInputError
 from remat.generators import linear_chain, random_layered, unet
+from remat.graph import Graph, Node
 from remat.solvers import get, ilp, ilp_scalable, names
 
 
@@ -79,6 +80,30 @@ def test_knapsack_bound_never_exceeds_the_exact_optimum(name, g):
         assert kb is not None and g.total_time <= kb <= exact.report["objective"] * (1 + 1e-9), (ratio, kb)
         wb = ilp_scalable.window_bound(g, budget)
         assert wb is not None and kb * (1 - 1e-9) <= wb <= exact.report["objective"] * (1 + 1e-9), (ratio, wb)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_window_ip_bound_holds_with_workspace_fixed_bytes_and_free_nodes(seed):
+    # workspace counts at its node's instant, fixed bytes come off the budget, and a forward node
+    # that costs no time may be dropped for free: the bound must stay below the proven optimum
+    base = random_layered(10, seed=seed)
+    nodes = [Node(v.id, v.name, v.kind, 0.0 if (v.kind == "forward" and v.id % 4 == 1) else v.time, v.bytes,
+                  (v.id % 3) if v.kind == "forward" else 0) for v in base.nodes]
+    g = Graph(nodes, base.edges, 7, base.meta)
+    checked = 0
+    for ratio in ("0.6x", "0.7x", "0.8x", "0.9x"):
+        budget = parse_budget(ratio, g)
+        for swap in (False, True):
+            try:
+                exact = ilp.solve(g, budget, swap=swap, time_limit=20, threads=1, mode="exact")
+            except InfeasibleBudgetError:
+                continue
+            if exact.report["status"] != "optimal":
+                continue
+            wb = ilp_scalable.window_bound(g, budget, swap=swap)
+            assert wb is not None and g.total_time <= wb <= exact.report["objective"] * (1 + 1e-9), (ratio, swap)
+            checked += 1
+    assert checked >= 2
 
 
 @pytest.mark.parametrize("g,ratio,knapsack,window,optimum", [
