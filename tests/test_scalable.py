@@ -174,7 +174,9 @@ def test_scalable_mode_is_within_two_percent_of_the_exact_optimum(name, g, ratio
     s = ilp_scalable.solve(g, budget, swap=False, time_limit=20, threads=1, coarse_nodes=max(9, g.n // 3))
     res = fits(g, s, budget)
     rep = s.report
-    assert rep["coarse_nodes"] < g.n
+    # the coarse phase runs unless the baselines and the bounds already prove the optimum (since
+    # lookahead and the window IP they do on chain16, chain24, unet4 and random15/20)
+    assert rep["coarse_nodes"] < g.n if rep["coarse_nodes"] is not None else rep["status"] == "optimal"
     assert math.isclose(rep["objective"], res.time, rel_tol=1e-9)
     assert rep["objective"] <= opt * 1.02, (rep, opt)
     assert rep["lower_bound"] <= opt * (1 + 1e-9)
