@@ -597,12 +597,12 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                 f"{graph.fixed_bytes} fixed bytes", budget_bytes, min_feasible_lower_bound=need,
                 fixed_bytes=graph.fixed_bytes)
         raise_bound(kb, "knapsack")
-    if not recompute_backward:
-        raise_bound(window_bound(graph, budget_bytes, min(WINDOW_IP_S, share(0.05) or WINDOW_IP_S), threads,
-                                 swap=swap, bandwidth=bandwidth), "window IP")
     for name, sched in ilp.baseline_schedules(graph, budget_bytes, BASELINES, op_lists=True,
                                               skip_above=SLOW_BASELINES):
         offer(sched, f"baseline {name}")
+    if not recompute_backward:  # (after the baselines, so that raise_bound can check it against them)
+        raise_bound(window_bound(graph, budget_bytes, min(WINDOW_IP_S, share(0.05) or WINDOW_IP_S), threads,
+                                 swap=swap, bandwidth=bandwidth), "window IP")
 
     units = model_units(graph) * (3 if swap else 1)  # swap adds SO, SI, SF and their rows
     notes["model_units"] = units
@@ -728,8 +728,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                                 threads=threads, backend=backend, bandwidth=bandwidth,
                                 recompute_backward=recompute_backward, msg=msg, progress=refine_progress)
             offer(sched, "fine ILP")
-            if fb is not None and fb <= best_time * (1 + 1e-6):  # else CBC's garbage bound
-                raise_bound(fb, "fine ilp")
+            raise_bound(fb, "fine ilp")  # (it drops a bound above the incumbent: CBC's garbage)
         except SolverError as e:
             log.info("ilp-scalable: refinement failed (%s)", e)
 
