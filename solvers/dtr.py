@@ -338,6 +338,10 @@ class Replay:
         return self._ratio(self.cost[t] + extra, self.size[t] * self._staleness(t))
 
     def _score_msps(self, t: int) -> float:
+        return self._ratio(self._rebuild_cost(t), self.size[t])
+
+    def _rebuild_cost(self, t: int) -> float:
+        """c(t) plus the cost of t's evicted ancestors (what rebuilding t would recompute)."""
         seen: set[int] = set()
         stack = [u for u in self.preds[t] if u in self.evicted]
         extra = 0.0
@@ -348,13 +352,13 @@ class Replay:
             seen.add(x)
             extra += self.cost[x]
             stack.extend(u for u in self.preds[x] if u in self.evicted and u not in seen)
-        return self._ratio(self.cost[t] + extra, self.size[t])
+        return self.cost[t] + extra
 
     def _score_ahead(self, t: int) -> float:
         k = self.stage
         nxt = min((c for c in self.succs[t] if c >= k), default=None)
         d = (self._at[nxt] if nxt is not None else self._at[-1]) - self._at[k]
-        num = self._score_msps(t) * self.size[t] if self._ancestors else self.cost[t]
+        num = self._rebuild_cost(t) if self._ancestors else self.cost[t]
         score = self._ratio(num, self.size[t] * max(d, 1e-9 * self._at[-1]) ** self._alpha)
         if self._noise > 0:  # one factor per (tensor, eviction): a replay is a fixed function of its seed
             key = (t, self.stats["evictions"])
@@ -432,25 +436,28 @@ def lookahead_search(graph: Graph, budget_bytes: int, *, grid: tuple = LOOKAHEAD
     Deterministic.  Raises InfeasibleBudgetError when every replay fails (the first failure's)."""
     best: Schedule | None = None
     first_error: InfeasibleBudgetError | None = None
-    tries = [dict(numerator=num, alpha=a) for num, a in grid]
-    i = 0
-    while i < len(tries):
-        kw = tries[i]
-        i += 1
+    replays = 0
+
+    def replay(**kw: object) -> None:
+        nonlocal best, first_error, replays
+        replays += 1
         try:
             sched = solve(graph, budget_bytes, "lookahead", thrash_factor, **kw)
         except InfeasibleBudgetError as e:
             first_error = first_error or e
-            continue
+            return
         if best is None or sched.report["objective"] < best.report["objective"]:
             best = sched
-        if i == len(grid) and best is not None and restarts > 0:
-            base = {k: best.report[k] for k in ("numerator", "alpha")}
-            tries += [dict(base, noise=noise, seed=s) for s in range(1, restarts + 1)]
+
+    for num, a in grid:
+        replay(numerator=num, alpha=a)
     if best is None:
         raise first_error or InfeasibleBudgetError("lookahead: no replay fits", int(budget_bytes),
                                                    fixed_bytes=graph.fixed_bytes)
-    best.report["replays"] = len(tries)
+    point = {k: best.report[k] for k in ("numerator", "alpha")}
+    for s in range(1, restarts + 1):
+        replay(**point, noise=noise, seed=s)
+    best.report["replays"] = replays
     return best
 
 
