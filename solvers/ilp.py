@@ -749,6 +749,13 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
         result = info.get("result", "")
         proven = m.prob.sol_status == 1 and result.startswith("Optimal solution found") and gap <= 0
         bound = info.get("lower_bound")
+        if bound is not None and obj is not None and not proven and result.startswith("Stopped") \
+                and bound >= obj - 1e-9 * max(1.0, abs(obj)):
+            # CBC stopped inside its root cut loop prints a garbage "best possible" (seen: 4.8e12
+            # against an incumbent of 29) and then the incumbent as its lower bound; a bound that
+            # met the incumbent would have ended the search as optimal, so this one is no bound
+            log.info("CBC stopped with its bound at its incumbent (%s): no bound", result)
+            bound = None
         if bound is None and proven:
             bound = obj
         if bound is None and result.startswith("Optimal solution found") and obj is not None:

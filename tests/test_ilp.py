@@ -416,3 +416,21 @@ def test_watchdog_stops_a_cbc_that_overruns_its_time_limit(tmp_path, monkeypatch
     assert "Stopped by remat" in r["solver_result"] and "returned the warm start" in r["solver_result"]
     assert ("killed" if ignores_sigint else "interrupted") in r["solver_result"]
     assert r["status"] == "feasible" and simulate(g, s).peak_bytes <= 6
+
+
+@pytest.mark.parametrize("printed,kept", [(29.0, None), (25.0, 25.0)])
+def test_a_stopped_cbc_whose_bound_meets_its_incumbent_gives_no_bound(monkeypatch, printed, kept):
+    # CBC stopped inside its root cut loop prints "best possible 4.8e12" and then its incumbent as
+    # the lower bound (seen on the instant IP of chain32 at 9 units after 0.7-0.9 s): taken as a
+    # bound it "proved" 126 optimal; a bound below the incumbent stays
+    from types import SimpleNamespace
+    import pulp
+    prob = pulp.LpProblem("p", pulp.LpMinimize)
+    x = pulp.LpVariable("x", 0, 1, pulp.LpBinary)
+    prob += 29 * x
+    x.varValue = 1
+    prob.sol_status = 2
+    monkeypatch.setattr(ilp, "_run_cbc", lambda *a, **k: {"result": "Stopped on time limit",
+                                                          "objective": 29.0, "lower_bound": printed})
+    out = ilp._run(SimpleNamespace(prob=prob, time_unit=1.0), "cbc", 1.0, 0.0, 1, True, False)
+    assert out["objective"] == 29.0 and not out["proven"] and out["bound"] == kept
