@@ -1,0 +1,270 @@
+r"""The *instant IP*: a cascade-aware relaxation of the ILP, a lower bound and a source of plans.
+
+Checkmate's model (solvers/ilp.py) checks memory after every compute of every stage, which is
+what makes it large (R, S and one FREE per stage and edge, plus the U rows).  This model keeps
+only the instants at which the schedule advances: instant t is the moment node t is computed for
+the first time (every frontier-advancing schedule, staged or an op list in program order, runs
+first computes in id order).  Between instant t-1 and instant t a schedule may recompute (and,
+with swap, bring back from the host) any values; the model asks only what is resident at each
+instant and what was rebuilt in each interval.
+
+Variables (forward values v only; backward values and the loss are computed once, as in the
+ILP's default model, so they are resident from their computation to their last use)
+----------------------------------------------------------------------------------------------
+P[t,v]   binary   v is resident on the device when node t is first computed      (v < t)
+N[t,v]   binary   v is computed at least once between instant t-1 and instant t   (v < t-1)
+SI[t,v]  binary   (swap) a host copy of v comes back between instant t-1 and t
+O[v]     binary   (swap) v is copied to the host (once)
+T        continuous  (swap) the step time
+
+Rows
+----
+need     P[t,u] = 1 for every forward input u of t
+keep     P[t,v] <= post(t-1,v) + N[t,v] + SI[t,v]        post(t-1,v) = 1 if v = t-1, else P[t-1,v]
+rebuild  N[t,v] <= post(t-1,u) + N[t,u] + SI[t,u]        for every forward input u of v
+memory   sum_v M_v P[t,v] <= B - fixed - M_t - W_t - (bytes of non-forward values alive at t)
+host     SI[t,v] <= O[v]
+time     recompute only: min sum C_v + sum_{t,v} C_v N[t,v]
+         swap: min T, T >= sum C_v + sum C_v N[t,v],  T >= sum (M_v / bw) (SI[t,v] + O[v])
+
+Why every schedule is a solution (so the optimum, and CBC's bound, are lower bounds).  Read P
+off the schedule at each instant and set N[t,v] = 1 when v is computed at least once in the
+interval (SI likewise for host copies coming back).  The inputs of t are resident when it runs
+(need); what is resident at instant t was resident at instant t-1 and kept, or is t-1's fresh
+output, or was rebuilt in between (keep); the first recomputation of v in the interval finds
+each input resident, which it was since instant t-1 or because it was rebuilt before (rebuild);
+the resident bytes at instant t, with t's output, its workspace and the gradients still to be
+read, fit the budget (memory: the simulator counts all of them at that compute).  Computations
+cost their time at least once per interval where N = 1, on top of one pass over the graph; a
+host copy costs one transfer out and one per copy back on the single transfer stream, and the
+step lasts at least as long as either stream.  Values with no bytes are left out (always
+resident).  P[t,v] exists until v's *horizon*, the last program use of v or of any forward
+value built from it (a later recomputation of such a value needs v).
+
+What it drops from Checkmate's model is memory inside an interval: a cascade of recomputations
+may peak above the budget between two instants.  What it keeps, unlike the window IP
+(`ilp_scalable.window_bound`), is that a recomputation needs its inputs at that time: rebuilding
+a long-dropped value costs the whole chain back to a resident ancestor.  On unit chains its
+optimum equals the exact optimum (revolve's count; 10-16 layers checked); U-Net (depth 2) at
+0.5x: 1.2008 proven in 53 s where the window IP gives 1.158 and the full ILP's CBC stalls at
+1.158 after 400 s; U-Net (depth 3) at 0.3x: 1.194 after 120 s (window 1.132).  Its LP relaxation
+is as weak as Checkmate's (122 on the 32-layer chain at 9 units, optimum 126): the strength is
+in CBC's branching on a model a fifth the size.
+
+An integral solution without host copies is also a schedule: stage t recomputes {v : N[t,v]}
+and computes t, and keeps what those computes need (`ilp.minimal_keep`).  It may peak above
+the budget inside a stage, so the caller simulates it like any other candidate.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import pulp
+
+from remat.errors import SolverError
+from remat.graph import Graph
+from remat.schedule import Schedule, Stage
+
+from . import ilp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InstantModel:
+    prob: pulp.LpProblem
+    P: dict = field(default_factory=dict)
+    N: dict = field(default_factory=dict)
+    SI: dict = field(default_factory=dict)
+    O: dict = field(default_factory=dict)
+    T: pulp.LpVariable | None = None
+    time_unit: float = 1.0
+    swap: bool = False
+
+
+def horizons(graph: Graph) -> list[int]:
+    """Per node: the last program use of it or of any forward value computed from it."""
+    fwd = [v.kind == "forward" for v in graph.nodes]
+    hor = [max(s, default=v) for v, s in enumerate(graph.succs)]
+    for v in reversed(range(graph.n)):
+        for s in graph.succs[v]:
+            if fwd[s]:
+                hor[v] = max(hor[v], hor[s])
+    return hor
+
+
+def instant_loads(graph: Graph) -> list[int]:
+    """Per instant t: the bytes resident besides forward values (t's output and workspace, and
+    the non-forward values computed before t and read at or after t)."""
+    load = [graph.nodes[t].bytes + graph.nodes[t].workspace_bytes for t in range(graph.n)]
+    for v, node in enumerate(graph.nodes):
+        if node.kind != "forward" and graph.succs[v]:
+            for t in range(v + 1, max(graph.succs[v]) + 1):
+                load[t] += node.bytes
+    return load
+
+
+def size(graph: Graph) -> int:
+    """Number of P and N variables `build` creates (without swap), computed without building."""
+    hor = horizons(graph)
+    return sum(2 * (hor[v] - v) - 1 for v, node in enumerate(graph.nodes)
+               if node.kind == "forward" and node.bytes > 0 and hor[v] > v)
+
+
+def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: float | None = None) -> InstantModel | None:
+    """The model of the module docstring; None when some instant cannot hold what it must."""
+    n = graph.n
+    C, M = graph.times, graph.sizes
+    fwd = [v.kind == "forward" for v in graph.nodes]
+    preds = [sorted(set(p)) for p in graph.preds]
+    cap = budget_bytes - graph.fixed_bytes
+    load = instant_loads(graph)
+    hor = horizons(graph)
+    unit = math.gcd(*[m for m in M if m > 0]) or 1
+    cu = ilp._time_unit(graph)
+    bw = float(bandwidth if bandwidth is not None else graph.bandwidth)
+    tracked = [fwd[v] and M[v] > 0 for v in range(n)]
+    if any(load[t] + sum(M[u] for u in preds[t] if tracked[u]) > cap for t in range(n)):
+        return None
+    prob = pulp.LpProblem("remat_instant", pulp.LpMinimize)
+    m = InstantModel(prob, time_unit=cu, swap=swap)
+    for v in range(n):
+        if not tracked[v]:
+            continue
+        for t in range(v + 1, hor[v] + 1):
+            m.P[t, v] = pulp.LpVariable(f"P_{t}_{v}", 0, 1, pulp.LpBinary)
+            if t >= v + 2:
+                m.N[t, v] = pulp.LpVariable(f"N_{t}_{v}", 0, 1, pulp.LpBinary)
+                if swap:
+                    if v not in m.O:
+                        m.O[v] = pulp.LpVariable(f"O_{v}", 0, 1, pulp.LpBinary)
+                    m.SI[t, v] = pulp.LpVariable(f"SI_{t}_{v}", 0, 1, pulp.LpBinary)
+                    prob.addConstraint(m.SI[t, v] <= m.O[v], f"host_{t}_{v}")
+
+    def post(t: int, v: int):  # v resident right after instant t (1 for t's own output)
+        return 1 if v == t or not tracked[v] else m.P.get((t, v), 0)
+
+    def back(t: int, v: int):  # v rebuilt or brought back between instants t-1 and t
+        return m.N.get((t, v), 0) + m.SI.get((t, v), 0)
+
+    for t in range(n):
+        for u in preds[t]:
+            if tracked[u]:
+                m.P[t, u].lowBound = 1
+    for (t, v), p in m.P.items():
+        if t >= v + 2:
+            prob.addConstraint(p <= post(t - 1, v) + back(t, v), f"keep_{t}_{v}")
+    for (t, v), x in m.N.items():
+        for u in preds[v]:
+            if tracked[u]:
+                prob.addConstraint(x <= post(t - 1, u) + back(t, u), f"rebuild_{t}_{v}_{u}")
+    by_instant: list[list[int]] = [[] for _ in range(n)]
+    for (t, v) in m.P:
+        by_instant[t].append(v)
+    for t in range(n):
+        room = cap - load[t]
+        if sum(M[v] for v in by_instant[t]) > room:
+            prob.addConstraint(pulp.lpSum((M[v] // unit) * m.P[t, v] for v in by_instant[t]) <= room // unit,
+                               f"memory_{t}")
+    base = graph.total_time / cu
+    recompute = pulp.lpSum((C[v] / cu) * x for (_, v), x in m.N.items())
+    if swap:
+        T = m.T = pulp.LpVariable("T", 0)
+        prob += T
+        prob.addConstraint(T >= base + recompute, "compute_stream")
+        prob.addConstraint(T >= pulp.lpSum((M[v] / bw / cu) * x for (_, v), x in m.SI.items())
+                           + pulp.lpSum((M[v] / bw / cu) * x for v, x in m.O.items()), "transfer_stream")
+    else:
+        prob += base + recompute
+    return m
+
+
+def set_warm_start(graph: Graph, m: InstantModel, schedule: Schedule) -> bool:
+    """Initial values read off a schedule's op list; False when it does not map onto the model
+    (it computes nodes for the first time out of id order)."""
+    for d in (m.P, m.N, m.SI, m.O):
+        for x in d.values():
+            x.setInitialValue(0, check=False)  # (an input of its instant has lower bound 1)
+    resident: set[int] = set()
+    seen: set[int] = set()
+    t = 0  # the next first compute
+    for op in schedule.ops:
+        v = op.node
+        if op.op == "compute":
+            if v not in seen:
+                if v != t:
+                    return False
+                for u in resident:
+                    if (t, u) in m.P:
+                        m.P[t, u].setInitialValue(1)
+                seen.add(v)
+                t += 1
+            elif (t, v) in m.N:
+                m.N[t, v].setInitialValue(1)
+            resident.add(v)
+        elif op.op == "free":
+            resident.discard(v)
+        elif op.op == "swap_in":
+            resident.add(v)
+            if (t, v) in m.SI:
+                m.SI[t, v].setInitialValue(1)
+                m.O[v].setInitialValue(1)
+    if m.T is not None:  # the longer stream (each row reads T - stream >= 0)
+        m.T.setInitialValue(0)
+        m.T.setInitialValue(max(-m.prob.constraints[k].value() for k in ("compute_stream", "transfer_stream")))
+    return t == graph.n
+
+
+def schedule_from(graph: Graph, m: InstantModel) -> Schedule | None:
+    """The staged schedule an integral recompute-only solution describes (module docstring)."""
+    val = lambda x: x.varValue is not None and x.varValue > 0.5  # noqa: E731
+    if any(val(x) for x in m.SI.values()):
+        return None
+    n = graph.n
+    R = [{t} for t in range(n)]
+    for (t, v), x in m.N.items():
+        if val(x):
+            R[t].add(v)
+    none = [set() for _ in range(n)]
+    try:
+        S = ilp.minimal_keep(graph, R, none, none, none)
+    except AssertionError:
+        return None
+    sched = Schedule.from_stages(graph, [Stage(sorted(R[t]), sorted(S[t])) for t in range(n)])
+    return ilp.prune_waste(graph, sched)
+
+
+def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: float | None = None,
+          time_limit: float | None = 30.0, threads: int | None = None, start: Schedule | None = None,
+          msg: bool = False, progress=None) -> dict:
+    """Run CBC on the instant IP.  Returns {"bound": seconds or None, "schedule": Schedule or None,
+    "objective": seconds or None, "proven": bool, "infeasible": bool, "variables": int}.  The bound
+    is valid for every schedule whose backward nodes run once (see the module docstring).
+    `progress` gets CBC's incumbent and bound as `ilp._run` reports them (the incumbent is the
+    model's, which a plan may not reach)."""
+    m = build(graph, budget_bytes, swap=swap, bandwidth=bandwidth)
+    if m is None:
+        return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": True,
+                "variables": 0}
+    warm = start is not None and set_warm_start(graph, m, start)
+    nvar = len(m.P) + len(m.N) + len(m.SI) + len(m.O)
+    log.info("instant IP: %d variables, %d rows, warm start %s", nvar, len(m.prob.constraints), warm)
+    try:
+        out = ilp._run(m, "cbc", time_limit, 0.0, threads, warm, msg, progress=progress)
+    except SolverError as e:
+        log.info("instant IP: CBC failed (%s)", e)
+        return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": False,
+                "variables": nvar}
+    cu = m.time_unit
+    sched = None
+    obj = None
+    if out["sol_status"] in (1, 2) and out["objective"] is not None:
+        obj = out["objective"] * cu
+        sched = schedule_from(graph, m)
+    bound = out["bound"] * cu if out["bound"] is not None and not out["infeasible"] else None
+    if bound is not None:
+        bound = max(bound, graph.total_time)
+    return {"bound": bound, "schedule": sched, "objective": obj, "proven": bool(out["proven"]),
+            "infeasible": bool(out["infeasible"]), "variables": nvar}
