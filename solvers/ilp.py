@@ -76,7 +76,10 @@ bound are those of the quantised model.
 Solving: CBC through PuLP by default (HiGHS optional), warm-started from the best baseline that
 fits or, without swap, from what `shift_search` finds around the baselines run at slightly looser
 budgets (the recompute-only ILP restricted to a seed's recomputations, each in its stage or the
-next; a fifth of the time limit).  PuLP reports a time-limited CBC run with an incumbent as "Optimal"; we read `sol_status`
+next; a fifth of the time limit).  Without swap, the instant IP (solvers/instant_ip.py, a
+relaxation kept only at first computes) runs first for `INSTANT_SHARE` of the limit: when its
+optimal plan fits the budget inside every stage too, that plan is returned as proven optimal;
+otherwise its plan may become the warm start and its bound joins the report's.  PuLP reports a time-limited CBC run with an incumbent as "Optimal"; we read `sol_status`
 and CBC's own bound from its log, and report ``status`` "optimal" only when proven, else
 "feasible" with ``lower_bound`` and ``gap``.
 """
@@ -459,6 +462,8 @@ def best_baseline(graph: Graph, budget_bytes: int, bandwidth: float | None = Non
 
 SEED_SLACK = (0.0, 0.125, 0.25)  # budgets (activation bytes x (1 + slack)) the seeds of shift_search run at
 SHIFTS = (0, 1)                  # stages a seed's recomputation may move by
+INSTANT_SHARE = 0.3  # of the time limit, for the instant IP before the full model
+INSTANT_CAP_S = 60.0  # its limit when the call has none
 WARM_SEARCH_SHARE = 0.2          # of the time limit, spent on shift searches for the warm start
 SHIFT_SEARCH_S = 10.0            # per shift search when the solve has no time limit
 
@@ -794,12 +799,13 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
           gap: float = 0.0, threads: int | None = None, backend: str = "cbc", warm_start: bool = True,
           bandwidth: float | None = None, max_memory_units: int = 1_000_000, msg: bool = False,
           recompute_backward: bool = False, progress: Callable[[dict], None] | None = None,
-          mode: str = "auto", **options: object) -> Schedule:
+          mode: str = "auto", use_instant_ip: bool = True, **options: object) -> Schedule:
     """Optimal schedule under `budget_bytes` (whole-step bytes, fixed bytes included).
 
     `time_limit` bounds the call: the MIP search gets what building the model and the warm start
     left of it (at least 1 s; reading back the schedule and a fallback LP bound come on top);
     `progress(dict)` receives incumbent, lower bound and gap while CBC runs.
+    `use_instant_ip=False` skips the instant IP that runs first without swap (module docstring).
     `mode`: "exact" (this model on the whole graph), "scalable" (`ilp_scalable`: coarsen, solve,
     expand, refine; a bound for the whole graph) or "auto" (scalable above
     `ilp_scalable.AUTO_THRESHOLD` nodes).
@@ -810,7 +816,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     if mode == "scalable" or (mode == "auto" and graph.n > ilp_scalable.AUTO_THRESHOLD):
         return ilp_scalable.solve(graph, budget_bytes, swap=swap, time_limit=time_limit, gap=gap, threads=threads,
                                   backend=backend, bandwidth=bandwidth, recompute_backward=recompute_backward,
-                                  progress=progress, msg=msg, **options)
+                                  progress=progress, msg=msg, use_instant_ip=use_instant_ip, **options)
     t0 = _time.perf_counter()
     _check_budget(graph, budget_bytes)
     if warm_start and not swap:
@@ -839,6 +845,29 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             if warm is None or plain.report["objective"] < simulate(graph, warm, bandwidth).time:
                 warm = plain
                 warm.report = {"name": "ilp (no swap)"}
+    instant = None
+    if use_instant_ip and not swap and not recompute_backward:
+        # the instant IP (solvers/instant_ip.py): a relaxation a fifth the size that sees
+        # recomputation cascades; its plan often fits, and then its proof ends the search
+        from . import instant_ip
+        limit_ip = INSTANT_CAP_S if time_limit is None else max(1.0, INSTANT_SHARE * time_limit)
+        instant = instant_ip.solve(graph, budget_bytes, time_limit=limit_ip, threads=threads, start=warm)
+        plan_ip = instant["schedule"]
+        if plan_ip is not None:
+            res = simulate(graph, plan_ip, bandwidth)
+            if res.valid and res.peak_bytes <= budget_bytes:
+                if instant["proven"] or (instant["bound"] is not None
+                                         and res.time <= instant["bound"] * (1 + 1e-9)):
+                    plan_ip.report = {"name": "ilp", "backend": backend, "swap": swap, "time_limit": time_limit,
+                                      "gap_limit": gap, "wall_time": _time.perf_counter() - t0,
+                                      "variables": instant["variables"], "warm_start": warm.report.get("name")
+                                      if warm else None, "solver_result": "the instant IP's optimum fits the budget",
+                                      "bound_from": "instant IP", "status": "optimal", "objective": res.time,
+                                      "lower_bound": res.time, "gap": 0.0}
+                    return plan_ip
+                if warm is None or res.time < simulate(graph, warm, bandwidth).time * (1 - 1e-12):
+                    warm = plan_ip
+                    warm.report = {"name": "instant IP"}
     m = build_model(graph, budget_bytes, swap=swap, bandwidth=bandwidth, max_memory_units=max_memory_units,
                     recompute_backward=recompute_backward)
     if warm is not None:
@@ -929,6 +958,13 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             bound = wb
             report["bound_from"] = "window IP"
             proven = objective <= wb * (1 + 1e-9)
+    ib = instant["bound"] if instant is not None and not instant["infeasible"] else None
+    if not proven and ib is not None and ib > objective * (1 + 1e-6) + 1e-9:
+        log.warning("discarding the instant IP's bound %.6g (above the incumbent %.6g)", ib, objective)
+    elif not proven and ib is not None and (bound is None or ib > bound * (1 + 1e-12)):
+        bound = ib
+        report["bound_from"] = "instant IP"
+        proven = objective <= ib * (1 + 1e-9)
     if bound is not None and bound > objective:  # float noise on a proven optimum
         bound = objective
     if bound is not None and objective > 0:

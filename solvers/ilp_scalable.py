@@ -18,6 +18,13 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    per use; letting CBC choose which stage's copy serves which uses, and which to keep instead,
    is worth a lot: U-Net d3 at 0.3x 1.629 -> 1.372 (the coarse ILP reached 1.512), ResNet-50 at
    0.5x 1.076 -> 1.065, unet(3) at 0.6x 304 -> 295 (the exact optimum).
+0c. The instant IP (`instant_ip`, up to `INSTANT_MAX_VARS` variables), warm-started from the
+   best plan, for `INSTANT_SHARE` of what is left: Checkmate's model kept only at the instants
+   of first computes, so it is a fifth the size, yet a recomputation still needs its inputs.
+   Its bound is the strongest this mode has at tight budgets (U-Net d3 at 0.3x: 1.183 where
+   the window IP gives 1.132; ResNet-50 d2 at 0.3x: 1.172 against 1.122), and where its optimal
+   plan also fits inside every stage it proves it (U-Net d3 at 0.5x: 1.0304 in 4 s).  A plan
+   of its that peaks above the budget inside a stage goes to one shift search.
 1. Coarsen (`choose_groups`, `fit_groups`, `coarsen`).  The node ids 0..n-1 are cut into
    contiguous runs of one kind (forward runs, the loss, backward runs); each run becomes one
    node of a quotient graph: time = sum of its members' times, bytes = sum of their bytes,
@@ -60,6 +67,8 @@ Why the reported lower bound holds for the whole graph.  It is the largest of
   (`ilp.solve_relaxation(round_down=True)`: a relaxation of the exact model even when sizes
   need quantising), where it fits the time;
 * CBC's bound on the whole fine model (step 4c; only when the model is not quantised);
+* CBC's bound on the *instant IP* (`instant_ip`; backward never recomputed; proof in that
+  module's docstring), a relaxation of the whole fine model;
 * the *window IP*, `window_bound` (with or without swap; backward never recomputed): one binary
   per (forward value, program use) saying whether the value is absent somewhere between the
   use before and this one, one row per instant; proof in its docstring.  It dominates the
@@ -99,7 +108,7 @@ from remat.graph import Graph, Node
 from remat.schedule import Schedule, Stage
 from remat.simulate import simulate
 
-from . import ilp, register
+from . import ilp, instant_ip, register
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +119,11 @@ LP_MAX_NODES = 320     # solve the full LP relaxation (bound, RINS guide) up to 
 REFINE_MAX_NODES = 320  # run the RINS-restricted fine ILP up to this many nodes
 FULL_REFINE_MAX_NODES = 100  # and the whole fine ILP (warm-started) up to this many
 RINS_EPS = 1e-6        # RINS fixes a binary where the LP is within this of the incumbent
+GAP_EPS = 1e-9         # a gap this small is met (the bound and the simulator round differently)
 SHIFT_SHARE = 0.35     # of the time left, for shift searches around the best schedule (step 0b)
 SHIFT_ROUNDS = 4       # at most this many, each around the last one's schedule
+INSTANT_SHARE = 0.85   # of the time left, for the instant IP (step 0c)
+INSTANT_MAX_VARS = 60_000  # and only when it has at most this many P and N variables
 
 
 # ---- coarsening -------------------------------------------------------------------------------
@@ -516,13 +528,13 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
           recompute_backward: bool = False, progress: Callable[[dict], None] | None = None,
           coarse_nodes: int | None = None, lp_max_nodes: int = LP_MAX_NODES,
           refine_max_nodes: int = REFINE_MAX_NODES, full_refine_max_nodes: int = FULL_REFINE_MAX_NODES,
-          msg: bool = False, **_: object) -> Schedule:
+          msg: bool = False, use_instant_ip: bool = True, **_: object) -> Schedule:
     """A schedule under `budget_bytes` (whole-step bytes) with a lower bound for the whole graph.
 
     Options as `ilp.solve`, plus `coarse_nodes` (size of the coarse graph to aim at; default
     `COARSE_TARGET`, or the graph itself when smaller), `lp_max_nodes`, `refine_max_nodes` and
     `full_refine_max_nodes` (largest graphs for the full LP bound, for RINS and for the whole
-    warm-started fine ILP; 0 turns a step off).  Raises `InfeasibleBudgetError` when the budget
+    warm-started fine ILP; 0 turns a step off), `use_instant_ip` (step 0c, and in the coarse solve).  Raises `InfeasibleBudgetError` when the budget
     cannot hold what must be resident, `SolverError` when no schedule was found in time.  `progress(dict)`
     gets {"phase", "elapsed", "incumbent", "lower_bound", "gap"} (seconds of the schedule) at
     every new incumbent or bound; during the coarse solve "incumbent" is the coarse model's,
@@ -562,7 +574,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             return
         res = simulate(graph, sched, bandwidth)
         if not res.valid or res.peak_bytes > budget_bytes:
-            say = log.debug if source.startswith("baseline") else log.warning  # a DTR cast may not fit
+            # a DTR cast may not fit, nor the instant IP's plan (it ignores memory inside a stage)
+            say = log.debug if source.startswith(("baseline", "instant IP")) else log.warning
             say("ilp-scalable: the %s schedule does not fit (%s; peak %d > %d); dropped",
                 source, res.violation, res.peak_bytes, budget_bytes)
             return
@@ -613,7 +626,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             and (left() is None or BUILD_S_PER_UNIT * model_units(graph) <= SHIFT_SHARE * left()):
         until = None if left() is None else _time.perf_counter() + SHIFT_SHARE * left()
         rounds = 0
-        while (_gap(best_time, bound) or 0) > gap and rounds < SHIFT_ROUNDS:
+        while (_gap(best_time, bound) or 0) > max(gap, GAP_EPS) and rounds < SHIFT_ROUNDS:
             rest = None if until is None else until - _time.perf_counter()
             if rest is not None and rest < 2.0:
                 break
@@ -630,6 +643,35 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                 break
         notes["shift_rounds"] = rounds
 
+    # 0c. the instant IP, started from the best plan so far: a bound that sees recomputation
+    # cascades, and a plan (solvers/instant_ip.py)
+    if use_instant_ip and not recompute_backward and (_gap(best_time, bound) or 0) > max(gap, GAP_EPS) \
+            and (left() is None or left() > 4.0) and instant_ip.size(graph) <= INSTANT_MAX_VARS:
+        limit_ip = ilp.INSTANT_CAP_S if limit is None else max(1.0, 0.8 * share(INSTANT_SHARE) - 1.0)
+        tell("instant IP")
+        out = instant_ip.solve(graph, budget_bytes, swap=swap, bandwidth=bandwidth, threads=threads,
+                               time_limit=limit_ip, start=staged[0] if staged[0] is not None else best,
+                               progress=(lambda d: tell("instant IP", None, max(bound, d["lower_bound"] or 0.0)))
+                               if progress else None)
+        notes["instant_ip"] = {k: out[k] for k in ("objective", "bound", "proven", "variables")}
+        plan_ip = out["schedule"]
+        if plan_ip is not None:
+            before = best_time
+            offer(plan_ip, "instant IP")
+            if best_time == before and out["objective"] is not None and out["objective"] < best_time * (1 - 1e-9) \
+                    and (left() is None or left() > 4.0):
+                # it peaks above the budget inside a stage: the fine ILP on its recomputations
+                # (each in its stage or the next) usually repairs it
+                try:
+                    offer(ilp.shift_search(graph, budget_bytes, plan_ip, time_limit=share(0.15), threads=threads,
+                                           backend=backend, bandwidth=bandwidth), "instant IP, repaired")
+                except SolverError as e:
+                    log.info("ilp-scalable: repairing the instant IP's plan failed (%s)", e)
+        if out["infeasible"]:
+            log.info("ilp-scalable: CBC called the instant IP infeasible; a schedule fits, so that is ignored")
+        else:
+            raise_bound(out["bound"], "instant IP")
+
     # 1-3. coarse ILP and expansion; finer coarsening when the coarse graph cannot fit the budget
     n_coarse = min(graph.n, coarse_nodes or COARSE_TARGET)
     act = max(1, budget_bytes - graph.fixed_bytes)
@@ -640,7 +682,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     # does the fine LP (and RINS after it) fit the time? then the coarse solve gets a smaller share
     follow = graph.n <= lp_max_nodes and (limit is None or LP_S_PER_UNIT * units <= 0.3 * limit)
     while (left() is None or left() > (2.0 if tries == 0 else max(2.0, 0.4 * limit))) \
-            and (best is None or (_gap(best_time, bound) or 0) > gap):  # (no work once the gap asked for is met)
+            and (best is None or (_gap(best_time, bound) or 0) > max(gap, GAP_EPS)):  # (no work once the gap asked for is met)
         tries += 1
         groups = fit_groups(graph, choose_groups(graph, n_coarse, cap), budget_bytes)
         co = coarsen(graph, groups)
@@ -655,7 +697,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             # the coarse solve gets a share of what is left (most of it when nothing follows)
             cs = ilp.solve(co.graph, budget_bytes, swap=swap, time_limit=share(0.22 if follow else 0.6), gap=gap,
                            threads=threads, backend=backend, bandwidth=bandwidth,
-                           recompute_backward=recompute_backward, msg=msg, mode="exact",
+                           recompute_backward=recompute_backward, msg=msg, mode="exact", use_instant_ip=use_instant_ip,
                            progress=(lambda d: tell("coarse", d.get("incumbent"), None)) if progress else None)
         except InfeasibleBudgetError:
             # runs too large for this budget: finer runs, up to COARSE_MAX nodes
@@ -693,7 +735,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     lp_share = 0.4 if graph.n <= refine_max_nodes else 0.95
     if graph.n <= lp_max_nodes and best is not None and (left() is None or left() > 2.0) \
             and (left() is None or LP_S_PER_UNIT * units <= lp_share * left()) \
-            and (_gap(best_time, bound) or 0) > gap:
+            and (_gap(best_time, bound) or 0) > max(gap, GAP_EPS):
         try:
             # sizes rounded down (exact when nothing needs rounding): a relaxation, so a valid bound
             lp_model, lp = ilp.solve_relaxation(graph, budget_bytes, swap=swap, bandwidth=bandwidth,
@@ -711,7 +753,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     # agree are fixed), then, on small graphs, the whole fine ILP, both warm-started
     refine_progress = (lambda d: tell("refine", d.get("incumbent"), None)) if progress else None
     if lp_model is not None and graph.n <= refine_max_nodes and staged[0] is not None \
-            and (left() is None or left() > 3.0 + 2 * BUILD_S_PER_UNIT * units) and (_gap(best_time, bound) or 0) > gap:
+            and (left() is None or left() > 3.0 + 2 * BUILD_S_PER_UNIT * units) and (_gap(best_time, bound) or 0) > max(gap, GAP_EPS):
         whole = graph.n <= full_refine_max_nodes
         try:
             sched, _ = _refine(graph, budget_bytes, staged[0], lp_model, swap=swap,
@@ -722,7 +764,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         except SolverError as e:
             log.info("ilp-scalable: RINS refinement failed (%s)", e)
     if graph.n <= full_refine_max_nodes and staged[0] is not None \
-            and (left() is None or left() > 3.0 + 2 * BUILD_S_PER_UNIT * units) and (_gap(best_time, bound) or 0) > gap:
+            and (left() is None or left() > 3.0 + 2 * BUILD_S_PER_UNIT * units) and (_gap(best_time, bound) or 0) > max(gap, GAP_EPS):
         try:
             sched, fb = _refine(graph, budget_bytes, staged[0], None, swap=swap, time_limit=left(), gap=gap,
                                 threads=threads, backend=backend, bandwidth=bandwidth,

@@ -169,7 +169,8 @@ def test_memory_quantisation_keeps_exact_bytes_feasible():
     found, lb = ilp.min_feasible_budget(g, swap=False)
     assert lb <= found
     budget = (found + full) // 2
-    s = ilp.solve(g, budget, swap=False, max_memory_units=2000)
+    # (without the instant IP, which works in exact bytes and proves this one before the ILP runs)
+    s = ilp.solve(g, budget, swap=False, max_memory_units=2000, use_instant_ip=False)
     assert s.report["memory_quantum"] > 1
     res = simulate(g, s)
     assert res.valid and res.peak_bytes <= budget
