@@ -123,7 +123,7 @@ GAP_EPS = 1e-9         # a gap this small is met (the bound and the simulator ro
 SHIFT_SHARE = 0.35     # of the time left, for shift searches around the best schedule (step 0b)
 SHIFT_ROUNDS = 4       # at most this many, each around the last one's schedule
 INSTANT_SHARE = 0.85   # of the time left, for the instant IP (step 0c)
-INSTANT_MAX_VARS = 60_000  # and only when it has at most this many P and N variables
+INSTANT_MAX_VARS = 40_000  # and only with at most this many P and N variables (GPT-2 d3, 46k: no root LP in 50 s)
 
 
 # ---- coarsening -------------------------------------------------------------------------------
