@@ -101,3 +101,27 @@ def test_a_budget_below_what_an_instant_must_hold_is_infeasible():
     assert instant_ip.build(g, 2) is None  # at the first backward node: gradient, two inputs, output
     out = instant_ip.solve(g, 2)
     assert out["infeasible"] and out["bound"] is None and out["schedule"] is None
+
+
+def test_exact_mode_returns_the_instant_ip_plan_when_it_fits_and_says_it_is_proven():
+    g = unet(3)
+    budget = parse_budget("0.6x", g)
+    s = ilp.solve(g, budget, swap=False, time_limit=30, threads=1)
+    r = s.report
+    assert r["status"] == "optimal" and r["objective"] == pytest.approx(295.0) and r["gap"] == 0.0
+    assert r["bound_from"] == "instant IP" and "instant IP" in r["solver_result"]
+    res = simulate(g, s)
+    assert res.valid and res.peak_bytes <= budget and res.time == pytest.approx(295.0)
+    # without it, the full ILP reaches the same optimum
+    plain = ilp.solve(g, budget, swap=False, time_limit=30, threads=1, use_instant_ip=False)
+    assert plain.report["status"] == "optimal" and plain.report["objective"] == pytest.approx(295.0)
+    assert "instant IP" not in str(plain.report.get("bound_from"))
+
+
+def test_scalable_mode_proves_a_chain_through_the_instant_ip_where_the_window_ip_cannot():
+    # chain12 at 6 units: lookahead's plan is optimal (47); the window IP stops at 45
+    g = linear_chain(12)
+    s = ilp_scalable.solve(g, 6, swap=False, time_limit=30, threads=1)
+    r = s.report
+    assert r["status"] == "optimal" and r["objective"] == pytest.approx(47.0)
+    assert r["bound_from"] == "instant IP" and r["instant_ip"]["bound"] == pytest.approx(47.0)
