@@ -92,8 +92,9 @@ def _ilp_progress_printer():
     last = {"t": -1e9, "text": ""}
 
     def show(d: dict) -> None:
+        phase = f"  [{d['phase']}]" if d.get("phase") and d["phase"] != "done" else ""
         text = (f"ilp: {d['elapsed']:6.1f} s  incumbent {_fmt_num(d['incumbent'])}  "
-                f"bound {_fmt_num(d['lower_bound'])}  gap {_fmt_num(d['gap'], pct=True)}")
+                f"bound {_fmt_num(d['lower_bound'])}  gap {_fmt_num(d['gap'], pct=True)}{phase}")
         if text == last["text"] or (not tty and d["elapsed"] - last["t"] < 2.0):
             return
         last.update(t=d["elapsed"], text=text)

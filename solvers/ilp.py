@@ -851,7 +851,9 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         # recomputation cascades; its plan often fits, and then its proof ends the search
         from . import instant_ip
         limit_ip = INSTANT_CAP_S if time_limit is None else max(1.0, INSTANT_SHARE * time_limit)
-        instant = instant_ip.solve(graph, budget_bytes, time_limit=limit_ip, threads=threads, start=warm)
+        instant = instant_ip.solve(graph, budget_bytes, time_limit=limit_ip, threads=threads, start=warm,
+                                   progress=(lambda d: progress({**d, "incumbent": None, "gap": None,
+                                                                 "phase": "instant IP"})) if progress else None)
         plan_ip = instant["schedule"]
         if plan_ip is not None:
             res = simulate(graph, plan_ip, bandwidth)
