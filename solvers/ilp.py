@@ -819,6 +819,11 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                                   progress=progress, msg=msg, use_instant_ip=use_instant_ip, **options)
     t0 = _time.perf_counter()
     _check_budget(graph, budget_bytes)
+    if not swap and not recompute_backward:
+        # what must be resident at some first compute does not fit: no schedule, say so now
+        # (CBC may need minutes to prove it: 238 s on random_layered(49) at 0.5x)
+        from .ilp_scalable import check_forced_need
+        check_forced_need(graph, budget_bytes)
     if warm_start and not swap:
         warm = searched_warm_start(graph, budget_bytes, bandwidth=bandwidth, threads=threads, backend=backend,
                                    recompute_backward=recompute_backward,

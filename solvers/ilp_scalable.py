@@ -348,6 +348,18 @@ def forced_need(graph: Graph) -> int:
     return best + graph.fixed_bytes
 
 
+def check_forced_need(graph: Graph, budget_bytes: int) -> None:
+    """Raise `InfeasibleBudgetError` (naming the bytes needed) when the budget is below
+    `forced_need`: no recompute-only schedule with backward nodes run once exists."""
+    need = forced_need(graph)
+    if budget_bytes < need:
+        raise InfeasibleBudgetError(
+            f"budget {budget_bytes} bytes is below {need} bytes: at some stage a node, its inputs and the "
+            f"gradients still to be read (which are never recomputed) need that much with the "
+            f"{graph.fixed_bytes} fixed bytes", budget_bytes, min_feasible_lower_bound=need,
+            fixed_bytes=graph.fixed_bytes)
+
+
 def knapsack_bound(graph: Graph, budget_bytes: int) -> float | None:
     """Lower bound on the recompute-only time (module docstring), or None when some instant
     cannot hold what it must (the budget is infeasible)."""
@@ -603,12 +615,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     if not swap and not recompute_backward:
         kb = knapsack_bound(graph, budget_bytes)
         if kb is None:
-            need = forced_need(graph)
-            raise InfeasibleBudgetError(
-                f"budget {budget_bytes} bytes is below {need} bytes: at some stage a node, its inputs and the "
-                f"gradients still to be read (which are never recomputed) need that much with the "
-                f"{graph.fixed_bytes} fixed bytes", budget_bytes, min_feasible_lower_bound=need,
-                fixed_bytes=graph.fixed_bytes)
+            check_forced_need(graph, budget_bytes)
         raise_bound(kb, "knapsack")
     for name, sched in ilp.baseline_schedules(graph, budget_bytes, BASELINES, op_lists=True,
                                               skip_above=SLOW_BASELINES):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -435,3 +436,16 @@ def test_a_stopped_cbc_whose_bound_meets_its_incumbent_gives_no_bound(monkeypatc
                                                           "objective": 29.0, "lower_bound": printed})
     out = ilp._run(SimpleNamespace(prob=prob, time_unit=1.0), "cbc", 1.0, 0.0, 1, True, False)
     assert out["objective"] == 29.0 and not out["proven"] and out["bound"] == kept
+
+
+def test_exact_mode_says_at_once_when_what_must_be_resident_does_not_fit():
+    # random_layered(49) at 0.5x: the gradients still to be read plus a node and its inputs need
+    # 163 bytes at some first compute; CBC once took 238 s to prove the model infeasible
+    g = random_layered(49, seed=0)
+    budget = parse_budget("0.5x", g)
+    t0 = time.perf_counter()
+    with pytest.raises(InfeasibleBudgetError) as e:
+        ilp.solve(g, budget, swap=False, time_limit=30, mode="exact")
+    assert time.perf_counter() - t0 < 5
+    assert e.value.min_feasible_lower_bound == 163 > budget
+    assert "163 bytes" in str(e.value)
