@@ -863,14 +863,13 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         if plan_ip is not None:
             res = simulate(graph, plan_ip, bandwidth)
             if res.valid and res.peak_bytes <= budget_bytes:
-                if instant["proven"] or (instant["bound"] is not None
-                                         and res.time <= instant["bound"] * (1 + 1e-9)):
+                if instant["bound"] is not None and res.time <= instant["bound"] * (1 + 1e-9):  # (proven: bound = optimum)
                     plan_ip.report = {"name": "ilp", "backend": backend, "swap": swap, "time_limit": time_limit,
                                       "gap_limit": gap, "wall_time": _time.perf_counter() - t0,
                                       "variables": instant["variables"], "warm_start": warm.report.get("name")
                                       if warm else None, "solver_result": "the instant IP's optimum fits the budget",
                                       "bound_from": "instant IP", "status": "optimal", "objective": res.time,
-                                      "lower_bound": res.time, "gap": 0.0}
+                                      "lower_bound": min(res.time, instant["bound"]), "gap": 0.0}
                     return plan_ip
                 if warm is None or res.time < simulate(graph, warm, bandwidth).time * (1 - 1e-12):
                     warm = plan_ip

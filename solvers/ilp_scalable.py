@@ -546,8 +546,9 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     Options as `ilp.solve`, plus `coarse_nodes` (size of the coarse graph to aim at; default
     `COARSE_TARGET`, or the graph itself when smaller), `lp_max_nodes`, `refine_max_nodes` and
     `full_refine_max_nodes` (largest graphs for the full LP bound, for RINS and for the whole
-    warm-started fine ILP; 0 turns a step off), `use_instant_ip` (step 0c, and in the coarse solve).  Raises `InfeasibleBudgetError` when the budget
-    cannot hold what must be resident, `SolverError` when no schedule was found in time.  `progress(dict)`
+    warm-started fine ILP; 0 turns a step off) and `use_instant_ip` (step 0c, and in the coarse
+    solve).  Raises `InfeasibleBudgetError` when the budget cannot hold what must be resident,
+    `SolverError` when no schedule was found in time.  `progress(dict)`
     gets {"phase", "elapsed", "incumbent", "lower_bound", "gap"} (seconds of the schedule) at
     every new incumbent or bound; during the coarse solve "incumbent" is the coarse model's,
     which its expansion matches without swap.
@@ -598,6 +599,9 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             log.info("ilp-scalable: incumbent %.6g from %s (%.1f s)", res.time, source, _time.perf_counter() - t0)
             tell(source)
 
+    def gap_open() -> bool:  # is the incumbent still further from the bound than asked?
+        return (_gap(best_time, bound) or 0) > max(gap, GAP_EPS)
+
     def raise_bound(value: float | None, source: str) -> None:
         nonlocal bound, bound_from
         log.info("ilp-scalable: bound %.6g from %s (%.1f s)", value if value is not None else math.nan, source,
@@ -633,7 +637,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             and (left() is None or BUILD_S_PER_UNIT * model_units(graph) <= SHIFT_SHARE * left()):
         until = None if left() is None else _time.perf_counter() + SHIFT_SHARE * left()
         rounds = 0
-        while (_gap(best_time, bound) or 0) > max(gap, GAP_EPS) and rounds < SHIFT_ROUNDS:
+        while gap_open() and rounds < SHIFT_ROUNDS:
             rest = None if until is None else until - _time.perf_counter()
             if rest is not None and rest < 2.0:
                 break
@@ -652,7 +656,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
 
     # 0c. the instant IP, started from the best plan so far: a bound that sees recomputation
     # cascades, and a plan (solvers/instant_ip.py)
-    if use_instant_ip and not recompute_backward and (_gap(best_time, bound) or 0) > max(gap, GAP_EPS) \
+    if use_instant_ip and not recompute_backward and gap_open() \
             and (left() is None or left() > 4.0) and instant_ip.size(graph) <= INSTANT_MAX_VARS:
         limit_ip = ilp.INSTANT_CAP_S if limit is None else max(1.0, 0.8 * share(INSTANT_SHARE) - 1.0)
         tell("instant IP")
@@ -675,7 +679,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                 except SolverError as e:
                     log.info("ilp-scalable: repairing the instant IP's plan failed (%s)", e)
         if out["infeasible"]:
-            log.info("ilp-scalable: CBC called the instant IP infeasible; a schedule fits, so that is ignored")
+            log.info("ilp-scalable: CBC called the instant IP infeasible; ignored (its preprocessing can be wrong)")
         else:
             raise_bound(out["bound"], "instant IP")
 
@@ -689,7 +693,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     # does the fine LP (and RINS after it) fit the time? then the coarse solve gets a smaller share
     follow = graph.n <= lp_max_nodes and (limit is None or LP_S_PER_UNIT * units <= 0.3 * limit)
     while (left() is None or left() > (2.0 if tries == 0 else max(2.0, 0.4 * limit))) \
-            and (best is None or (_gap(best_time, bound) or 0) > max(gap, GAP_EPS)):  # (no work once the gap asked for is met)
+            and (best is None or gap_open()):  # (no work once the gap asked for is met)
         tries += 1
         groups = fit_groups(graph, choose_groups(graph, n_coarse, cap), budget_bytes)
         co = coarsen(graph, groups)
@@ -704,7 +708,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             # the coarse solve gets a share of what is left (most of it when nothing follows)
             cs = ilp.solve(co.graph, budget_bytes, swap=swap, time_limit=share(0.22 if follow else 0.6), gap=gap,
                            threads=threads, backend=backend, bandwidth=bandwidth,
-                           recompute_backward=recompute_backward, msg=msg, mode="exact", use_instant_ip=use_instant_ip,
+                           recompute_backward=recompute_backward, msg=msg, mode="exact",
+                           use_instant_ip=use_instant_ip,
                            progress=(lambda d: tell("coarse", d.get("incumbent"), None)) if progress else None)
         except InfeasibleBudgetError:
             # runs too large for this budget: finer runs, up to COARSE_MAX nodes
@@ -742,7 +747,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     lp_share = 0.4 if graph.n <= refine_max_nodes else 0.95
     if graph.n <= lp_max_nodes and best is not None and (left() is None or left() > 2.0) \
             and (left() is None or LP_S_PER_UNIT * units <= lp_share * left()) \
-            and (_gap(best_time, bound) or 0) > max(gap, GAP_EPS):
+            and gap_open():
         try:
             # sizes rounded down (exact when nothing needs rounding): a relaxation, so a valid bound
             lp_model, lp = ilp.solve_relaxation(graph, budget_bytes, swap=swap, bandwidth=bandwidth,
@@ -760,7 +765,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     # agree are fixed), then, on small graphs, the whole fine ILP, both warm-started
     refine_progress = (lambda d: tell("refine", d.get("incumbent"), None)) if progress else None
     if lp_model is not None and graph.n <= refine_max_nodes and staged[0] is not None \
-            and (left() is None or left() > 3.0 + 2 * BUILD_S_PER_UNIT * units) and (_gap(best_time, bound) or 0) > max(gap, GAP_EPS):
+            and (left() is None or left() > 3.0 + 2 * BUILD_S_PER_UNIT * units) and gap_open():
         whole = graph.n <= full_refine_max_nodes
         try:
             sched, _ = _refine(graph, budget_bytes, staged[0], lp_model, swap=swap,
@@ -771,7 +776,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         except SolverError as e:
             log.info("ilp-scalable: RINS refinement failed (%s)", e)
     if graph.n <= full_refine_max_nodes and staged[0] is not None \
-            and (left() is None or left() > 3.0 + 2 * BUILD_S_PER_UNIT * units) and (_gap(best_time, bound) or 0) > max(gap, GAP_EPS):
+            and (left() is None or left() > 3.0 + 2 * BUILD_S_PER_UNIT * units) and gap_open():
         try:
             sched, fb = _refine(graph, budget_bytes, staged[0], None, swap=swap, time_limit=left(), gap=gap,
                                 threads=threads, backend=backend, bandwidth=bandwidth,

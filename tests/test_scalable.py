@@ -230,7 +230,10 @@ def test_time_limit_is_honoured_and_progress_reports_incumbent_bound_gap():
     seen = []
     limit = 12
     t0 = time.perf_counter()
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=limit, threads=1, progress=seen.append)
+    # (the instant IP proves this case optimal in ~6 s, so it is off here: this test is about the
+    # phases after it, the time limit and the progress contract)
+    s = ilp_scalable.solve(g, budget, swap=False, time_limit=limit, threads=1, progress=seen.append,
+                           use_instant_ip=False)
     wall = time.perf_counter() - t0
     assert wall < limit * 1.25 + 3, wall
     res = fits(g, s, budget)
