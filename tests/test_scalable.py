@@ -228,7 +228,8 @@ def test_time_limit_is_honoured_and_progress_reports_incumbent_bound_gap():
     g = unet(6)  # 57 nodes: baselines, the coarse ILP, the LP, RINS and the fine ILP all want time
     budget = parse_budget("0.6x", g)
     seen = []
-    limit = 12
+    # 20 s: CBC overran a 4 s shift search to 7 s once on CI, which left the coarse phase no time at 12 s
+    limit = 20
     t0 = time.perf_counter()
     # (the instant IP proves this case optimal in ~6 s, so it is off here: this test is about the
     # phases after it, the time limit and the progress contract)
