@@ -462,7 +462,7 @@ def best_baseline(graph: Graph, budget_bytes: int, bandwidth: float | None = Non
 
 SEED_SLACK = (0.0, 0.125, 0.25)  # budgets (activation bytes x (1 + slack)) the seeds of shift_search run at
 SHIFTS = (0, 1)                  # stages a seed's recomputation may move by
-INSTANT_SHARE = 0.3  # of the time limit, for the instant IP before the full model
+INSTANT_SHARE = 0.4  # of the time limit, for the instant IP before the full model
 INSTANT_CAP_S = 60.0  # its limit when the call has none
 WARM_SEARCH_SHARE = 0.2          # of the time limit, spent on shift searches for the warm start
 SHIFT_SEARCH_S = 10.0            # per shift search when the solve has no time limit
