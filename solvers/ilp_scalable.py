@@ -336,16 +336,8 @@ def expand(co: Coarsening, coarse: Schedule) -> Schedule:
 def forced_need(graph: Graph) -> int:
     """Whole-step bytes below which no recompute-only schedule exists: at the instant node t is
     first computed, t's output and workspace, its inputs, and every non-forward value that a
-    later node reads are resident (only forward nodes are recomputed)."""
-    last_use = [max(s, default=-1) for s in graph.succs]
-    M = graph.sizes
-    best = 0
-    for t in range(graph.n):
-        need = set(graph.preds[t])
-        b = M[t] + graph.nodes[t].workspace_bytes + sum(M[i] for i in need)
-        b += sum(M[v] for v in range(t) if v not in need and last_use[v] > t and graph.nodes[v].kind != "forward")
-        best = max(best, b)
-    return best + graph.fixed_bytes
+    later node reads are resident (only forward nodes are recomputed): `instant_ip.forced_loads`."""
+    return max(instant_ip.forced_loads(graph), default=0) + graph.fixed_bytes
 
 
 def check_forced_need(graph: Graph, budget_bytes: int) -> None:
@@ -368,19 +360,15 @@ def knapsack_bound(graph: Graph, budget_bytes: int) -> float | None:
     last_use = [max(s, default=-1) for s in graph.succs]
     C = graph.times
     M = graph.sizes
+    # t's output, workspace and inputs, and the gradients and loss still to be read (never
+    # recomputed) must be resident
+    forced = instant_ip.forced_loads(graph)
     best_extra = 0.0
     for t in range(n):
-        node = graph.nodes[t]
         need = set(graph.preds[t])
-        cap = cap0 - M[t] - node.workspace_bytes - sum(M[i] for i in need)
-        items = []
-        for v in range(t):
-            if v in need or last_use[v] <= t:
-                continue
-            if graph.nodes[v].kind != "forward":
-                cap -= M[v]  # a gradient or the loss cannot be recomputed: it must be resident
-                continue
-            items.append((C[v], M[v]))
+        cap = cap0 - forced[t]
+        items = [(C[v], M[v]) for v in range(t)
+                 if v not in need and last_use[v] > t and graph.nodes[v].kind == "forward"]
         if cap < 0:
             return None
         total = sum(c for c, _ in items)
@@ -437,18 +425,16 @@ def window_bound(graph: Graph, budget_bytes: int, time_limit: float | None = WIN
     bw = float(bandwidth if bandwidth is not None else graph.bandwidth)
     unit = math.gcd(*[m for m in M if m > 0]) or 1
     succs = [sorted(set(s)) for s in graph.succs]
-    fixed = [M[t] + graph.nodes[t].workspace_bytes + sum(M[i] for i in set(graph.preds[t])) for t in range(n)]
+    # t's output, workspace and inputs, and the gradients and loss alive across t
+    fixed = instant_ip.forced_loads(graph)
     cover: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     for v in range(n):
-        if M[v] <= 0 or (graph.nodes[v].kind == "forward" and C[v] <= 0):
-            continue  # holds nothing, or can be dropped and rebuilt for free
+        if M[v] <= 0 or graph.nodes[v].kind != "forward" or C[v] <= 0:
+            continue  # holds nothing, is in `fixed`, or can be dropped and rebuilt for free
         prev = v
         for u in succs[v]:
             for t in range(prev + 1, u):
-                if graph.nodes[v].kind == "forward":
-                    cover[t].append((v, u))
-                else:
-                    fixed[t] += M[v]  # a gradient or the loss: resident until its last use
+                cover[t].append((v, u))
             prev = u
     if any(f > cap0 for f in fixed):
         return None

@@ -106,6 +106,15 @@ def instant_loads(graph: Graph) -> list[int]:
     return load
 
 
+def forced_loads(graph: Graph, load: list[int] | None = None) -> list[int]:
+    """Per instant t: `instant_loads` (given or computed) plus t's forward inputs, i.e. the bytes
+    every schedule holds on the device when t first runs, besides the fixed bytes (only forward
+    values are ever recomputed)."""
+    load = instant_loads(graph) if load is None else load
+    return [load[t] + sum(graph.nodes[u].bytes for u in set(graph.preds[t]) if graph.nodes[u].kind == "forward")
+            for t in range(graph.n)]
+
+
 def size(graph: Graph) -> int:
     """Number of P and N variables `build` creates (without swap), computed without building."""
     hor = horizons(graph)
@@ -126,7 +135,7 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     cu = ilp._time_unit(graph)
     bw = float(bandwidth if bandwidth is not None else graph.bandwidth)
     tracked = [fwd[v] and M[v] > 0 for v in range(n)]
-    if any(load[t] + sum(M[u] for u in preds[t] if tracked[u]) > cap for t in range(n)):
+    if any(f > cap for f in forced_loads(graph, load)):
         return None
     prob = pulp.LpProblem("remat_instant", pulp.LpMinimize)
     m = InstantModel(prob, time_unit=cu, swap=swap)
