@@ -953,24 +953,25 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                                  max_memory_units=max_memory_units)[1]
         proven = bound is not None and objective <= bound * (1 + 1e-9)
         report["bound_from"] = "lp_relaxation_rounded_down"
+    def take_bound(value: float | None, source: str) -> None:
+        """A relaxation's bound joins the report when it is higher (and not above the incumbent,
+        as for CBC's bound above)."""
+        nonlocal bound, proven
+        if proven or value is None:
+            return
+        if value > objective * (1 + 1e-6) + 1e-9:
+            log.warning("discarding the %s's bound %.6g (above the incumbent %.6g)", source, value, objective)
+        elif bound is None or value > bound * (1 + 1e-12):
+            bound = value
+            report["bound_from"] = source
+            proven = objective <= value * (1 + 1e-9)
+
     if not proven and not recompute_backward:
         # the window IP (ilp_scalable.window_bound): integral where the LP is not; a tenth of a second
         from .ilp_scalable import window_bound
-        wb = window_bound(graph, budget_bytes, threads=threads, swap=swap, bandwidth=bandwidth)
-        if wb is not None and wb > objective * (1 + 1e-6) + 1e-9:  # as for CBC's bound above
-            log.warning("discarding the window IP's bound %.6g (above the incumbent %.6g)", wb, objective)
-            wb = None
-        if wb is not None and (bound is None or wb > bound * (1 + 1e-12)):
-            bound = wb
-            report["bound_from"] = "window IP"
-            proven = objective <= wb * (1 + 1e-9)
-    ib = instant["bound"] if instant is not None and not instant["infeasible"] else None
-    if not proven and ib is not None and ib > objective * (1 + 1e-6) + 1e-9:
-        log.warning("discarding the instant IP's bound %.6g (above the incumbent %.6g)", ib, objective)
-    elif not proven and ib is not None and (bound is None or ib > bound * (1 + 1e-12)):
-        bound = ib
-        report["bound_from"] = "instant IP"
-        proven = objective <= ib * (1 + 1e-9)
+        take_bound(window_bound(graph, budget_bytes, threads=threads, swap=swap, bandwidth=bandwidth), "window IP")
+    if instant is not None and not instant["infeasible"]:
+        take_bound(instant["bound"], "instant IP")
     if bound is not None and bound > objective:  # float noise on a proven optimum
         bound = objective
     if bound is not None and objective > 0:
