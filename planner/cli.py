@@ -74,8 +74,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"graph      {args.graph}: {graph.n} nodes, fixed {format_bytes(graph.fixed_bytes)}, "
           f"checkpoint-all peak {format_bytes(base)}")
     print(f"budget     {format_bytes_exact(p.budget_bytes)} ({p.budget_bytes / base:.2f}x of checkpoint-all)")
+    source = f" ({s['bound_from']})" if s.get("bound_from") and s.get("lower_bound") is not None else ""
     print(f"solver     {s['name']}{backend}: {s.get('status')}, objective {_fmt_num(s.get('objective'))}, "
-          f"lower bound {_fmt_num(s.get('lower_bound'))}, gap {_fmt_num(s.get('gap'), pct=True)}, "
+          f"lower bound {_fmt_num(s.get('lower_bound'))}{source}, gap {_fmt_num(s.get('gap'), pct=True)}, "
           f"wall {_fmt_time(s.get('wall_time'))}")
     print(f"predicted  peak {format_bytes(pr['peak_bytes'])} (fixed {format_bytes(pr['fixed_bytes'])} + "
           f"activations {format_bytes(pr['activation_peak_bytes'])}), host peak {format_bytes(pr['host_peak_bytes'])}")

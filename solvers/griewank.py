@@ -182,6 +182,72 @@ def griewank_schedule(graph: Graph, s: int, fwd: list[int] | None = None) -> Sch
     return Schedule.from_sets(graph, S)
 
 
+def chain_bound(graph: Graph, budget_bytes: int) -> float | None:
+    r"""A lower bound on the recompute-only step time of a chain graph from revolve's optimality,
+    or None when the graph is not a chain this argument covers.
+
+    Griewank's theorem (Griewank 1992; Griewank & Walther, TOMS Alg. 799, 2000): reversing l steps
+    with at most s snapshots at any time (x_0 in one of them) takes at least t(l, s) advances.
+    Every remat schedule maps onto such a reversal, through the instant relaxation
+    (`instant_ip`, whose solutions cost no more than the schedules they come from):
+
+    * Step j's reversal is the instant t_j = the first backward node that reads x_{j-1} (layer
+      j's input), j = 2..l; they must come in the order t_l < ... < t_2, after every forward node.
+    * At t_j the schedule holds x_{j-1} (it is an input), which is revolve's cursor.  The values
+      useful later are x_1..x_{j-2} (later steps need lower cursors, and advances only go up):
+      they are the snapshots, with x_0.  They fit in what t_j leaves free: the budget less the
+      fixed bytes, `instant_ip.instant_loads` at t_j and t_j's forward inputs at positions
+      >= j-1, so at most k_j = min(room_j // m_min, j-2) of them, m_min the smallest forward
+      output.  Hence s = 1 + max_j k_j.
+    * Between t_{j+1} and t_j every newly held value x_p was computed from some value held at
+      t_{j+1} and everything in between was computed: per gap of the held set, at least (highest
+      new value - gap base) computations, which is what revolve pays restoring the base and
+      advancing (storing the new snapshots on the way never exceeds the final count).  The forward
+      pass is revolve's first sweep (l - 1 advances and the recorded run of step l).
+
+    So the forward computations besides the first pass number R >= t(l, s) - (l - 1), and the
+    step takes at least total_time + R * (the cheapest forward time).  On unit chains this is the
+    exact optimum (revolve with the shift search reaches it: chain32 at 9 units, 126); on
+    heterogeneous chains it is weaker.  Recompute only (a host copy is a snapshot that costs no
+    device memory), backward nodes run once.
+    """
+    from .instant_ip import instant_loads
+    try:
+        fwd = chain_layers(graph)
+    except InvalidInputError:
+        return None
+    l = len(fwd)
+    m_min = min(graph.nodes[v].bytes for v in fwd)
+    pos = {v: k + 1 for k, v in enumerate(fwd)}  # forward node -> index of the value it outputs
+    if l < 2 or m_min <= 0:
+        return None
+    bwd = [v for v in graph.nodes if v.kind == "backward"]
+    first_read = {}
+    for node in bwd:
+        for u in graph.preds[node.id]:
+            if u in pos and u not in first_read:
+                first_read[u] = node.id
+    instants = []
+    for j in range(2, l + 1):
+        t = first_read.get(fwd[j - 2])
+        if t is None:
+            return None
+        instants.append(t)
+    if instants != sorted(instants, reverse=True) or len(set(instants)) != l - 1 or min(instants) < max(fwd):
+        return None
+    load = instant_loads(graph)
+    cap = budget_bytes - graph.fixed_bytes
+    slots = 0
+    for j, t in zip(range(2, l + 1), instants):
+        room = cap - load[t] - sum(graph.nodes[u].bytes for u in set(graph.preds[t]) if pos.get(u, 0) >= j - 1)
+        if room < 0:
+            return None  # nothing fits: the forced-need check says so
+        slots = max(slots, min(room // m_min, j - 2))
+    advances = binomial_cost(l, 1 + slots)
+    cheapest = min(graph.nodes[v].time for v in fwd)
+    return graph.total_time + max(0, advances - (l - 1)) * cheapest
+
+
 def snapshot_counts(l: int, max_sweep: int = MAX_SWEEP) -> list[int]:
     """s values to sweep: all of 1..l for short chains, else 1..16 plus a geometric thinning."""
     if l <= max_sweep:

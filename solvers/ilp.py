@@ -79,7 +79,10 @@ budgets (the recompute-only ILP restricted to a seed's recomputations, each in i
 next; a fifth of the time limit).  Without swap, the instant IP (solvers/instant_ip.py, a
 relaxation kept only at first computes) runs first for `INSTANT_SHARE` of the limit: when its
 optimal plan fits the budget inside every stage too, that plan is returned as proven optimal;
-otherwise its plan may become the warm start and its bound joins the report's.  PuLP reports a time-limited CBC run with an incumbent as "Optimal"; we read `sol_status`
+otherwise its plan may become the warm start and its bound joins the report's.  On a chain
+(recompute only), revolve's count is a bound too (`griewank.chain_bound`: Griewank's theorem on
+the instant relaxation); a warm start that meets it is returned as proven optimal at once.
+PuLP reports a time-limited CBC run with an incumbent as "Optimal"; we read `sol_status`
 and CBC's own bound from its log, and report ``status`` "optimal" only when proven, else
 "feasible" with ``lower_bound`` and ``gap``.
 """
@@ -850,6 +853,22 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             if warm is None or plain.report["objective"] < simulate(graph, warm, bandwidth).time:
                 warm = plain
                 warm.report = {"name": "ilp (no swap)"}
+    chain = None
+    if not swap and not recompute_backward:
+        # on a chain, revolve's count is a bound (griewank.chain_bound): a warm start that meets
+        # it is optimal with no search (chain32 at 9 units: CBC alone never proves it)
+        from . import griewank
+        chain = griewank.chain_bound(graph, budget_bytes)
+        if chain is not None and warm is not None:
+            res = simulate(graph, warm, bandwidth)
+            if res.valid and res.peak_bytes <= budget_bytes and res.time <= chain * (1 + 1e-9):
+                warm.report = {"name": "ilp", "backend": backend, "swap": swap, "time_limit": time_limit,
+                               "gap_limit": gap, "wall_time": _time.perf_counter() - t0,
+                               "warm_start": warm.report.get("name"), "bound_from": "chain (revolve)",
+                               "solver_result": "the warm start meets revolve's bound for chains",
+                               "status": "optimal", "objective": res.time, "lower_bound": min(res.time, chain),
+                               "gap": 0.0}
+                return warm
     instant = None
     if use_instant_ip and not swap and not recompute_backward:
         # the instant IP (solvers/instant_ip.py): a relaxation a fifth the size that sees
@@ -972,6 +991,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         take_bound(window_bound(graph, budget_bytes, threads=threads, swap=swap, bandwidth=bandwidth), "window IP")
     if instant is not None and not instant["infeasible"]:
         take_bound(instant["bound"], "instant IP")
+    take_bound(chain, "chain (revolve)")
     if bound is not None and bound > objective:  # float noise on a proven optimum
         bound = objective
     if bound is not None and objective > 0:

@@ -69,6 +69,8 @@ Why the reported lower bound holds for the whole graph.  It is the largest of
 * CBC's bound on the whole fine model (step 4c; only when the model is not quantised);
 * CBC's bound on the *instant IP* (`instant_ip`; backward never recomputed; proof in that
   module's docstring), a relaxation of the whole fine model;
+* (recompute only, chains) revolve's count on the instant relaxation, `griewank.chain_bound`
+  (Griewank's theorem; the mapping is in its docstring): exact on unit chains;
 * the *window IP*, `window_bound` (with or without swap; backward never recomputed): one binary
   per (forward value, program use) saying whether the value is absent somewhere between the
   use before and this one, one row per instant; proof in its docstring.  It dominates the
@@ -108,7 +110,7 @@ from remat.graph import Graph, Node
 from remat.schedule import Schedule, Stage
 from remat.simulate import simulate
 
-from . import ilp, instant_ip, register
+from . import griewank, ilp, instant_ip, register
 
 log = logging.getLogger(__name__)
 
@@ -607,6 +609,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         if kb is None:
             check_forced_need(graph, budget_bytes)
         raise_bound(kb, "knapsack")
+        raise_bound(griewank.chain_bound(graph, budget_bytes), "chain (revolve)")
     for name, sched in ilp.baseline_schedules(graph, budget_bytes, BASELINES, op_lists=True,
                                               skip_above=SLOW_BASELINES):
         offer(sched, f"baseline {name}")

@@ -118,7 +118,7 @@ def test_exact_mode_returns_the_instant_ip_plan_when_it_fits_and_says_it_is_prov
     assert "instant IP" not in str(plain.report.get("bound_from"))
 
 
-def test_scalable_mode_proves_a_chain_through_the_instant_ip_where_the_window_ip_cannot():
+def test_scalable_mode_proves_a_chain_through_the_instant_ip_where_the_window_ip_cannot(no_chain_bound):
     # chain12 at 6 units: lookahead's plan is optimal (47); the window IP stops at 45
     g = linear_chain(12)
     s = ilp_scalable.solve(g, 6, swap=False, time_limit=30, threads=1)
