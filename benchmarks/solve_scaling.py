@@ -43,14 +43,16 @@ def main(argv=None) -> int:
     ap.add_argument("--ratios", default="0.8,0.5,0.3")
     ap.add_argument("--swap", action="store_true", help="let the ILP swap (default: recompute only)")
     ap.add_argument("--out", default="benchmarks/out/solve_scaling.csv")
-    ap.add_argument("--chains", default=None, help="chain layer counts, e.g. 16,32,64,128")
-    ap.add_argument("--randoms", default=None, help="random DAG node counts, e.g. 50,100,200,400")
+    ap.add_argument("--chains", default=None, help="chain layer counts, e.g. 16,32,64,128 (\"\" for none)")
+    ap.add_argument("--randoms", default=None, help="random DAG node counts (at least 3), e.g. 50,100,200,400 (\"\" for none)")
     args = ap.parse_args(argv)
     ratios = [float(x) for x in args.ratios.split(",")]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     ints = lambda text: [int(x) for x in text.split(",") if x] if text is not None else None  # noqa: E731
+    if any(n < 3 for n in ints(args.randoms) or []):
+        ap.error("--randoms: node counts of at least 3 (a forward node, the loss, a backward node)")
     for gname, g in graphs(args.quick, ints(args.chains), ints(args.randoms)):
         full = simulate(g, checkpoint_all(g)).peak_bytes
         for ratio in ratios:
