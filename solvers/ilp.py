@@ -466,6 +466,7 @@ def best_baseline(graph: Graph, budget_bytes: int, bandwidth: float | None = Non
 SEED_SLACK = (0.0, 0.125, 0.25)  # budgets (activation bytes x (1 + slack)) the seeds of shift_search run at
 SHIFTS = (0, 1)                  # stages a seed's recomputation may move by
 INSTANT_SHARE = 0.4  # of the time limit, for the instant IP before the full model
+INSTAGE_SHARE = 0.5  # of the time left, for the instant IP with rebuild moments after it
 INSTANT_CAP_S = 60.0  # its limit when the call has none
 WARM_SEARCH_SHARE = 0.2          # of the time limit, spent on shift searches for the warm start
 SHIFT_SEARCH_S = 10.0            # per shift search when the solve has no time limit
@@ -649,6 +650,16 @@ def _cbc_wrapper(pidfile: str, line_buffered: bool) -> str:
     return path
 
 
+def _signal_cbc(pidfile: str, sig: int) -> bool:
+    """Send `sig` to the CBC that `_cbc_wrapper` started; False if it is not (yet) known."""
+    try:
+        with open(pidfile) as fh:
+            os.kill(int(fh.read().strip()), sig)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 class _Watchdog(threading.Thread):
     """Interrupts CBC (SIGINT: it stops and writes its incumbent) when it runs well past its
     time limit, and kills it if that does not end it."""
@@ -660,13 +671,10 @@ class _Watchdog(threading.Thread):
         self.fired: str | None = None
 
     def _signal(self, sig: int) -> bool:
-        try:
-            with open(self.pidfile) as fh:
-                os.kill(int(fh.read().strip()), sig)
-            self.fired = "interrupted" if sig == signal.SIGINT else "killed"
-            return True
-        except (OSError, ValueError):
+        if not _signal_cbc(self.pidfile, sig):
             return False
+        self.fired = "interrupted" if sig == signal.SIGINT else "killed"
+        return True
 
     def run(self) -> None:
         if self.done.wait(self.deadline):
@@ -680,12 +688,25 @@ class _Watchdog(threading.Thread):
 
 def _run_cbc(m: Model, time_limit: float | None, gap: float, threads: int | None, warm: bool,
              msg: bool, options: list[str] | None = None,
-             progress: Callable[[float, float | None, float | None], None] | None = None) -> dict:
+             progress: Callable[[float, float | None, float | None], None] | None = None,
+             stop_at: float | None = None) -> dict:
     workdir = tempfile.mkdtemp(prefix="remat_cbc_")
     logpath = os.path.join(workdir, "cbc.log")
     pidfile = os.path.join(workdir, "pid")
     watcher = None
     guard = _Watchdog(pidfile, time_limit) if time_limit else None
+    met = []
+    if stop_at is not None:
+        # an incumbent at a bound known from elsewhere is optimal: stop CBC there (SIGINT: it
+        # writes its incumbent) instead of letting it try to prove what is already proven
+        inner = progress
+
+        def progress(elapsed: float, inc: float | None, bnd: float | None) -> None:
+            if inner is not None:
+                inner(elapsed, inc, bnd)
+            if inc is not None and inc <= stop_at and not met:
+                met.append(inc)
+                _signal_cbc(pidfile, signal.SIGINT)
     try:
         # A MIP start under an elapsed-time limit crashes CBC more often than under a CPU-time
         # limit (the same with one thread, shorter with more).
@@ -705,6 +726,8 @@ def _run_cbc(m: Model, time_limit: float | None, gap: float, threads: int | None
                 raise
         text = open(logpath).read() if os.path.exists(logpath) else ""
         info = parse_cbc_log(text)
+        if met:
+            info["result"] = "Stopped by remat (the incumbent meets a lower bound known from a relaxation)"
         if guard is not None and guard.fired is not None:
             info["watchdog"] = guard.fired
             info.setdefault("result", f"Stopped by remat ({guard.fired} {guard.deadline:.0f} s after the start, past "
@@ -721,11 +744,12 @@ def _run_cbc(m: Model, time_limit: float | None, gap: float, threads: int | None
 
 def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: int | None,
          warm: bool, msg: bool, options: list[str] | None = None,
-         progress: Callable[[dict], None] | None = None) -> dict:
+         progress: Callable[[dict], None] | None = None, stop_at: float | None = None) -> dict:
     """Solve the model; return {'sol_status', 'objective', 'bound', 'proven', 'result'} in model units.
 
     `progress`, if given, is called with {"elapsed", "incumbent", "lower_bound", "gap"} (seconds
     of the schedule, not of the solve) whenever CBC's log shows a new incumbent or bound.
+    `stop_at` (seconds of the schedule; CBC only): stop once an incumbent is that fast.
     """
     offset = m.prob.objective.constant or 0.0  # solvers report objectives without the constant
     cb = None
@@ -739,7 +763,8 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
     if backend == "cbc":
         t0 = _time.perf_counter()
         try:
-            info = _run_cbc(m, time_limit, gap, threads, warm, msg, options, cb)
+            stop = None if stop_at is None else stop_at / m.time_unit - offset + 1e-9 * abs(stop_at / m.time_unit)
+            info = _run_cbc(m, time_limit, gap, threads, warm, msg, options, cb, stop)
         except pulp.PulpSolverError:
             # CBC 2.10 (the binary pulp ships) can crash when the time limit runs out while it
             # is still evaluating the MIP start; solve again without it (the caller keeps the
@@ -747,7 +772,7 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
             left = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
             log.warning("CBC crashed while using the warm start; solving again without it (%s s)", left)
             try:
-                info = _run_cbc(m, left, gap, threads, False, msg, options, cb)
+                info = _run_cbc(m, left, gap, threads, False, msg, options, cb, stop)
             except pulp.PulpSolverError as e:
                 raise SolverError(f"CBC failed: {e}") from None
         for key in ("objective", "lower_bound"):
@@ -869,30 +894,46 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                                "status": "optimal", "objective": res.time, "lower_bound": min(res.time, chain),
                                "gap": 0.0}
                 return warm
-    instant = None
+    instant_bounds: list[tuple[float | None, str]] = []
     if use_instant_ip and not swap and not recompute_backward:
         # the instant IP (solvers/instant_ip.py): a relaxation a fifth the size that sees
-        # recomputation cascades; its plan often fits, and then its proof ends the search
+        # recomputation cascades; its plan often fits, and then its proof ends the search.  When
+        # it proves an optimum that peaks above the budget inside a stage, the same model with
+        # rebuild moments (`in_stage`) comes next: often the exact optimum (random_layered(20,
+        # seed 2) at 0.6x: 1.2520 proven in 7 s, where the plain model stops at 1.2362)
         from . import instant_ip
-        limit_ip = INSTANT_CAP_S if time_limit is None else max(1.0, INSTANT_SHARE * time_limit)
-        instant = instant_ip.solve(graph, budget_bytes, time_limit=limit_ip, threads=threads, start=warm,
-                                   progress=(lambda d: progress({**d, "incumbent": None, "gap": None,
-                                                                 "phase": "instant IP"})) if progress else None)
-        plan_ip = instant["schedule"]
-        if plan_ip is not None:
+        for in_stage in (False, True):
+            if in_stage:
+                left = None if time_limit is None else time_limit - (_time.perf_counter() - t0)
+                if not (instant["proven"] and instant["schedule"] is not None) or (left is not None and left < 4.0):
+                    break
+                limit_ip = INSTANT_CAP_S if left is None else INSTAGE_SHARE * left
+            else:
+                limit_ip = INSTANT_CAP_S if time_limit is None else max(1.0, INSTANT_SHARE * time_limit)
+            phase = "instant IP, rebuild moments" if in_stage else "instant IP"
+            instant = instant_ip.solve(graph, budget_bytes, time_limit=limit_ip, threads=threads, start=warm,
+                                       in_stage=in_stage,
+                                       progress=(lambda d, phase=phase: progress({**d, "incumbent": None, "gap": None,
+                                                                                  "phase": phase})) if progress else None)
+            if not instant["infeasible"]:
+                instant_bounds.append((instant["bound"], phase))
+            plan_ip = instant["schedule"]
+            if plan_ip is None:
+                continue
             res = simulate(graph, plan_ip, bandwidth)
-            if res.valid and res.peak_bytes <= budget_bytes:
-                if instant["bound"] is not None and res.time <= instant["bound"] * (1 + 1e-9):  # (proven: bound = optimum)
-                    plan_ip.report = {"name": "ilp", "backend": backend, "swap": swap, "time_limit": time_limit,
-                                      "gap_limit": gap, "wall_time": _time.perf_counter() - t0,
-                                      "variables": instant["variables"], "warm_start": warm.report.get("name")
-                                      if warm else None, "solver_result": "the instant IP's optimum fits the budget",
-                                      "bound_from": "instant IP", "status": "optimal", "objective": res.time,
-                                      "lower_bound": min(res.time, instant["bound"]), "gap": 0.0}
-                    return plan_ip
-                if warm is None or res.time < simulate(graph, warm, bandwidth).time * (1 - 1e-12):
-                    warm = plan_ip
-                    warm.report = {"name": "instant IP"}
+            if not (res.valid and res.peak_bytes <= budget_bytes):
+                continue
+            if instant["bound"] is not None and res.time <= instant["bound"] * (1 + 1e-9):  # (proven: bound = optimum)
+                plan_ip.report = {"name": "ilp", "backend": backend, "swap": swap, "time_limit": time_limit,
+                                  "gap_limit": gap, "wall_time": _time.perf_counter() - t0,
+                                  "variables": instant["variables"], "warm_start": warm.report.get("name")
+                                  if warm else None, "solver_result": f"the {phase} optimum fits the budget",
+                                  "bound_from": phase, "status": "optimal", "objective": res.time,
+                                  "lower_bound": min(res.time, instant["bound"]), "gap": 0.0}
+                return plan_ip
+            if warm is None or res.time < simulate(graph, warm, bandwidth).time * (1 - 1e-12):
+                warm = plan_ip
+                warm.report = {"name": phase}
     m = build_model(graph, budget_bytes, swap=swap, bandwidth=bandwidth, max_memory_units=max_memory_units,
                     recompute_backward=recompute_backward)
     if warm is not None:
@@ -901,7 +942,9 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
              len(m.prob.constraints), warm.report.get("name") if warm else None)
     # the time limit covers the whole call: what the warm start and the model took comes off it
     search_limit = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
-    out = _run(m, backend, search_limit, gap, threads, warm is not None, msg, progress=progress)
+    known = max([b for b, _ in instant_bounds if b is not None] + ([chain] if chain is not None else []), default=None)
+    out = _run(m, backend, search_limit, gap, threads, warm is not None, msg, progress=progress,
+               stop_at=known if gap <= 0 else None)
     wall = _time.perf_counter() - t0
     report = {"name": "ilp", "backend": backend, "swap": swap, "time_limit": time_limit, "gap_limit": gap,
               "wall_time": wall, "memory_quantum": m.quantum, "variables": m.meta["variables"],
@@ -953,7 +996,9 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     if bound is None:  # the solver gave none (crash, or stopped before its root bound): use the LP
         left = None if time_limit is None else time_limit - (_time.perf_counter() - t0)
         bound = None
-        if left is None or left > 1.0:
+        # (with a relaxation's bound, which take_bound adds below, the LP adds nothing)
+        relaxed = known is not None and known <= objective * (1 + 1e-6) + 1e-9
+        if not relaxed and (left is None or left > 1.0):
             try:
                 bound = solve_relaxation(graph, budget_bytes, swap=swap, bandwidth=bandwidth,
                                          recompute_backward=recompute_backward, time_limit=left)[1]
@@ -989,8 +1034,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         # the window IP (ilp_scalable.window_bound): integral where the LP is not; a tenth of a second
         from .ilp_scalable import window_bound
         take_bound(window_bound(graph, budget_bytes, threads=threads, swap=swap, bandwidth=bandwidth), "window IP")
-    if instant is not None and not instant["infeasible"]:
-        take_bound(instant["bound"], "instant IP")
+    for value, source in instant_bounds:
+        take_bound(value, source)
     take_bound(chain, "chain (revolve)")
     if bound is not None and bound > objective:  # float noise on a proven optimum
         bound = objective

@@ -51,6 +51,28 @@ optimum equals the exact optimum (revolve's count; 10-16 layers checked); U-Net 
 is as weak as Checkmate's (122 on the 32-layer chain at 9 units, optimum 126): the strength is
 in CBC's branching on a model a fifth the size.
 
+Rebuild moments (`in_stage=True`)
+---------------------------------
+H[t,v]   binary   v is held through interval t: resident from instant t-1 to instant t and
+                  neither recomputed nor brought back in between                   (v < t-1)
+Z[t]     continuous  bytes of the largest rebuild moment in interval t, beyond the held values
+keep     P[t,v] <= H[t,v] + N[t,v] + SI[t,v];   H[t,v] <= P[t-1,v];   H[t,v] <= P[t,v]
+moment   Z[t] >= (M_v + W_v + sum_{u in in(v)} M_u) N[t,v] - sum_{u in in(v)} M_u H[t,u]
+interval sum_w M_w H[t,w] + Z[t] <= B - fixed - (bytes of non-forward values computed before
+         instant t-1 or at it, and read at t or later)
+Why every schedule still maps onto a solution: set H as defined; a value resident at both
+instants and neither recomputed nor brought back was resident throughout (it cannot reappear
+otherwise), so keep holds.  When v is first recomputed in interval t (N = 1), the device holds at
+that moment v, its workspace, its inputs, every held value and the gradients alive across the
+interval; inputs that are held count once (their H term cancels), so the moment row and the
+interval row hold for the largest such moment.  Tested on every baseline's schedule (and the
+ILP's) on 291 graph/budget cases.  The rows see a rebuilt value's inputs beside what is held,
+which the plain model misses (random_layered(20, seed 2) at 0.6x: 1.2520, the exact optimum,
+where the plain model proves 1.2362); they do not see rebuilt values kept for later in the
+interval, so its plans may still peak above the budget.  Their LP is no stronger (the gain is in
+branching), and the model is half as large again, so the exact mode runs it only after the plain
+model proved an optimum that does not fit.
+
 An integral solution without host copies is also a schedule: stage t recomputes {v : N[t,v]}
 and computes t, and keeps what those computes need (`ilp.minimal_keep`).  It may peak above
 the budget inside a stage, so the caller simulates it like any other candidate.
@@ -79,6 +101,9 @@ class InstantModel:
     N: dict = field(default_factory=dict)
     SI: dict = field(default_factory=dict)
     O: dict = field(default_factory=dict)
+    H: dict = field(default_factory=dict)
+    Z: dict = field(default_factory=dict)
+    moments: dict = field(default_factory=dict)  # interval -> names of its rebuild-moment rows
     T: pulp.LpVariable | None = None
     time_unit: float = 1.0
     swap: bool = False
@@ -122,8 +147,10 @@ def size(graph: Graph) -> int:
                if node.kind == "forward" and node.bytes > 0 and hor[v] > v)
 
 
-def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: float | None = None) -> InstantModel | None:
-    """The model of the module docstring; None when some instant cannot hold what it must."""
+def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: float | None = None,
+          in_stage: bool = False) -> InstantModel | None:
+    """The model of the module docstring (with `in_stage`, its held-through variables and
+    rebuild-moment rows); None when some instant cannot hold what it must."""
     n = graph.n
     C, M = graph.times, graph.sizes
     fwd = [v.kind == "forward" for v in graph.nodes]
@@ -163,7 +190,12 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
             if tracked[u]:
                 m.P[t, u].lowBound = 1
     for (t, v), p in m.P.items():
-        if t >= v + 2:
+        if t >= v + 2 and in_stage:
+            h = m.H[t, v] = pulp.LpVariable(f"H_{t}_{v}", 0, 1, pulp.LpBinary)
+            prob.addConstraint(p <= h + back(t, v), f"keep_{t}_{v}")
+            prob.addConstraint(h <= post(t - 1, v), f"held_{t}_{v}")
+            prob.addConstraint(h <= p, f"held_to_{t}_{v}")
+        elif t >= v + 2:
             prob.addConstraint(p <= post(t - 1, v) + back(t, v), f"keep_{t}_{v}")
     for (t, v), x in m.N.items():
         for u in preds[v]:
@@ -177,6 +209,8 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
         if sum(M[v] for v in by_instant[t]) > room:
             prob.addConstraint(pulp.lpSum((M[v] // unit) * m.P[t, v] for v in by_instant[t]) <= room // unit,
                                f"memory_{t}")
+    if in_stage:
+        add_rebuild_moments(graph, m, cap, unit)
     base = graph.total_time / cu
     recompute = pulp.lpSum((C[v] / cu) * x for (_, v), x in m.N.items())
     if swap:
@@ -188,6 +222,40 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     else:
         prob += base + recompute
     return m
+
+
+def interval_loads(graph: Graph) -> list[int]:
+    """Per interval t (between instants t-1 and t): the bytes of non-forward values computed
+    before it and read after it (gradients and the loss, never recomputed, stay resident)."""
+    load = [0] * graph.n
+    for v, node in enumerate(graph.nodes):
+        if node.kind != "forward" and graph.succs[v]:
+            for t in range(v + 1, max(graph.succs[v]) + 1):
+                load[t] += node.bytes
+    return load
+
+
+def add_rebuild_moments(graph: Graph, m: InstantModel, cap: int, unit: int) -> None:
+    """The `in_stage` rows (module docstring): per interval, the held-through values and the
+    largest rebuild moment fit beside the gradients alive across it."""
+    M, W = graph.sizes, [v.workspace_bytes for v in graph.nodes]
+    load = interval_loads(graph)
+    rebuilt: dict[int, list[int]] = {}
+    for (t, v) in m.N:
+        rebuilt.setdefault(t, []).append(v)
+    held_at: dict[int, list[int]] = {}
+    for (t, v) in m.H:
+        held_at.setdefault(t, []).append(v)
+    for t, vs in rebuilt.items():
+        Z = m.Z[t] = pulp.LpVariable(f"Z_{t}", 0)
+        for v in vs:
+            inputs = [u for u in set(graph.preds[v]) if (t, u) in m.P]  # tracked forward inputs
+            m.prob.addConstraint(
+                Z >= ((M[v] + W[v]) // unit + sum(M[u] // unit for u in inputs)) * m.N[t, v]
+                - pulp.lpSum((M[u] // unit) * m.H[t, u] for u in inputs if (t, u) in m.H), f"moment_{t}_{v}")
+            m.moments.setdefault(t, []).append(f"moment_{t}_{v}")
+        m.prob.addConstraint(pulp.lpSum((M[w] // unit) * m.H[t, w] for w in held_at.get(t, [])) + Z
+                             <= (cap - load[t]) // unit, f"interval_{t}")
 
 
 def set_warm_start(graph: Graph, m: InstantModel, schedule: Schedule) -> bool:
@@ -220,6 +288,13 @@ def set_warm_start(graph: Graph, m: InstantModel, schedule: Schedule) -> bool:
             if (t, v) in m.SI:
                 m.SI[t, v].setInitialValue(1)
                 m.O[v].setInitialValue(1)
+    on = lambda d, k: k in d and d[k].varValue is not None and d[k].varValue > 0.5  # noqa: E731
+    for (i, v), h in m.H.items():  # resident at both instants, neither rebuilt nor brought back
+        h.setInitialValue(int(on(m.P, (i, v)) and on(m.P, (i - 1, v)) and not on(m.N, (i, v))
+                              and not on(m.SI, (i, v))))
+    for i, z in m.Z.items():  # the largest rebuild moment (each row reads Z - moment >= 0)
+        z.setInitialValue(0)
+        z.setInitialValue(max([0.0] + [-m.prob.constraints[k].value() for k in m.moments[i]]))
     if m.T is not None:  # the longer stream (each row reads T - stream >= 0)
         m.T.setInitialValue(0)
         m.T.setInitialValue(max(-m.prob.constraints[k].value() for k in ("compute_stream", "transfer_stream")))
@@ -247,18 +322,18 @@ def schedule_from(graph: Graph, m: InstantModel) -> Schedule | None:
 
 def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: float | None = None,
           time_limit: float | None = 30.0, threads: int | None = None, start: Schedule | None = None,
-          msg: bool = False, progress=None) -> dict:
+          msg: bool = False, progress=None, in_stage: bool = False) -> dict:
     """Run CBC on the instant IP.  Returns {"bound": seconds or None, "schedule": Schedule or None,
     "objective": seconds or None, "proven": bool, "infeasible": bool, "variables": int}.  The bound
     is valid for every schedule whose backward nodes run once (see the module docstring).
     `progress` gets CBC's incumbent and bound as `ilp._run` reports them (the incumbent is the
     model's, which a plan may not reach)."""
-    m = build(graph, budget_bytes, swap=swap, bandwidth=bandwidth)
+    m = build(graph, budget_bytes, swap=swap, bandwidth=bandwidth, in_stage=in_stage)
     if m is None:
         return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": True,
                 "variables": 0}
     warm = start is not None and set_warm_start(graph, m, start)
-    nvar = len(m.P) + len(m.N) + len(m.SI) + len(m.O)
+    nvar = len(m.P) + len(m.N) + len(m.SI) + len(m.O) + len(m.H) + len(m.Z)
     log.info("instant IP: %d variables, %d rows, warm start %s", nvar, len(m.prob.constraints), warm)
     try:
         out = ilp._run(m, "cbc", time_limit, 0.0, threads, warm, msg, progress=progress)
