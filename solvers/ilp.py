@@ -634,6 +634,15 @@ WATCHDOG_GRACE = (1.1, 3.0)
 WATCHDOG_KILL_S = 5.0
 
 
+def highs_available() -> bool:
+    """Whether the optional HiGHS backend (highspy, the `highs` extra) is installed."""
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _cbc_binary() -> str:
     return pulp.PULP_CBC_CMD().path
 

@@ -322,7 +322,7 @@ def schedule_from(graph: Graph, m: InstantModel) -> Schedule | None:
 
 def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: float | None = None,
           time_limit: float | None = 30.0, threads: int | None = None, start: Schedule | None = None,
-          msg: bool = False, progress=None, in_stage: bool = False) -> dict:
+          msg: bool = False, progress=None, in_stage: bool = False, backend: str = "cbc") -> dict:
     """Run CBC on the instant IP.  Returns {"bound": seconds or None, "schedule": Schedule or None,
     "objective": seconds or None, "proven": bool, "infeasible": bool, "variables": int}.  The bound
     is valid for every schedule whose backward nodes run once (see the module docstring).
@@ -332,13 +332,13 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     if m is None:
         return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": True,
                 "variables": 0}
-    warm = start is not None and set_warm_start(graph, m, start)
+    warm = start is not None and backend == "cbc" and set_warm_start(graph, m, start)  # (pulp: no HiGHS start)
     nvar = len(m.P) + len(m.N) + len(m.SI) + len(m.O) + len(m.H) + len(m.Z)
     log.info("instant IP: %d variables, %d rows, warm start %s", nvar, len(m.prob.constraints), warm)
     try:
-        out = ilp._run(m, "cbc", time_limit, 0.0, threads, warm, msg, progress=progress)
+        out = ilp._run(m, backend, time_limit, 0.0, threads, warm, msg, progress=progress if backend == "cbc" else None)
     except SolverError as e:
-        log.info("instant IP: CBC failed (%s)", e)
+        log.info("instant IP: %s failed (%s)", backend, e)
         return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": False,
                 "variables": nvar}
     cu = m.time_unit

@@ -177,3 +177,15 @@ def test_exact_mode_proves_unet5_where_the_full_ilp_alone_stops_short():
     assert r["wall_time"] < 40
     res = simulate(g, s)
     assert res.valid and res.peak_bytes <= budget and res.time == pytest.approx(1214.0)
+
+
+@pytest.mark.parametrize("g,budget,optimum", [(linear_chain(12), 6, 47.0), (unet(3), "0.6x", 295.0),
+                                              (random_layered(20, seed=2), "0.6x", 157.0)],
+                         ids=["chain12", "unet3", "random20s2"])
+def test_highs_solves_the_same_model_to_the_same_optimum(g, budget, optimum):
+    # the scalable mode's second instant-IP run (ilp_scalable step 0c) uses HiGHS for its bound
+    pytest.importorskip("highspy")
+    budget = parse_budget(str(budget), g)
+    out = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs")
+    assert out["proven"] and out["bound"] == pytest.approx(optimum) and out["objective"] == pytest.approx(optimum)
+    assert simulate(g, out["schedule"]).time == pytest.approx(optimum)
