@@ -813,6 +813,10 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
             raise SolverError(f"HiGHS backend unavailable ({e}); install highspy or use --backend cbc")
         if not solver.available():
             raise SolverError("HiGHS backend unavailable: pip install highspy, or use --backend cbc")
+        # HiGHS fixes its thread pool at the first solve of the process and fails later solves
+        # that ask for another thread count ("Not Set"): start each solve with a fresh pool
+        import highspy
+        highspy.Highs.resetGlobalScheduler(True)
         m.prob.solve(solver)
         h = m.prob.solverModel
         info = h.getInfo()

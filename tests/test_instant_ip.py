@@ -186,6 +186,10 @@ def test_highs_solves_the_same_model_to_the_same_optimum(g, budget, optimum):
     # the scalable mode's second instant-IP run (ilp_scalable step 0c) uses HiGHS for its bound
     pytest.importorskip("highspy")
     budget = parse_budget(str(budget), g)
+    # a HiGHS solve with its default thread count first: HiGHS keeps its first thread pool for
+    # the process and failed the next solve that asked for one thread ("Not Set") until ilp._run
+    # reset it
+    assert ilp.solve(linear_chain(6), 5, swap=False, backend="highs", threads=None).report["status"] == "optimal"
     out = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs")
     assert out["proven"] and out["bound"] == pytest.approx(optimum) and out["objective"] == pytest.approx(optimum)
     assert simulate(g, out["schedule"]).time == pytest.approx(optimum)
