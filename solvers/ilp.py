@@ -79,7 +79,10 @@ budgets (the recompute-only ILP restricted to a seed's recomputations, each in i
 next; a fifth of the time limit).  Without swap, the instant IP (solvers/instant_ip.py, a
 relaxation kept only at first computes) runs first for `INSTANT_SHARE` of the limit: when its
 optimal plan fits the budget inside every stage too, that plan is returned as proven optimal;
-otherwise its plan may become the warm start and its bound joins the report's.  On a chain
+otherwise its plan may become the warm start and its bound joins the report's.  When it proved
+an optimum whose plan does not fit, the same model with rebuild moments (`in_stage=True`) runs
+next, for `INSTAGE_SHARE` of the time left.  The full model's CBC run is then stopped as soon as
+its incumbent meets the best of these bounds (`_run(stop_at=...)`).  On a chain
 (recompute only), revolve's count is a bound too (`griewank.chain_bound`: Griewank's theorem on
 the instant relaxation); a warm start that meets it is returned as proven optimal at once.
 PuLP reports a time-limited CBC run with an incumbent as "Optimal"; we read `sol_status`
