@@ -193,3 +193,27 @@ def test_highs_solves_the_same_model_to_the_same_optimum(g, budget, optimum):
     out = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs")
     assert out["proven"] and out["bound"] == pytest.approx(optimum) and out["objective"] == pytest.approx(optimum)
     assert simulate(g, out["schedule"]).time == pytest.approx(optimum)
+
+
+def test_exact_mode_asks_highs_when_cbc_leaves_the_instant_ip_open(monkeypatch):
+    # CBC stand-in: stopped with nothing (as on random_layered(49) at 0.8x, where CBC's instant-IP
+    # bound is 1.1200 after 30 s and HiGHS proves 1.1272); HiGHS then solves the same model
+    pytest.importorskip("highspy")
+    real = instant_ip.solve
+    calls = []
+
+    def stand_in(*a, backend="cbc", in_stage=False, **k):
+        calls.append((backend, in_stage))
+        if backend == "cbc" and not in_stage:
+            return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": False,
+                    "variables": 0}
+        return real(*a, backend=backend, in_stage=in_stage, **k)
+
+    monkeypatch.setattr(instant_ip, "solve", stand_in)
+    g = unet(3)
+    budget = parse_budget("0.6x", g)
+    s = ilp.solve(g, budget, swap=False, time_limit=60, threads=1)
+    r = s.report
+    assert calls[:2] == [("cbc", False), ("highs", False)]
+    assert r["status"] == "optimal" and r["objective"] == pytest.approx(295.0) and r["bound_from"] == "instant IP (HiGHS)"
+    assert simulate(g, s).peak_bytes <= budget
