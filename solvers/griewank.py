@@ -233,7 +233,7 @@ def chain_bound(graph: Graph, budget_bytes: int) -> float | None:
         if t is None:
             return None
         instants.append(t)
-    if instants != sorted(instants, reverse=True) or len(set(instants)) != l - 1 or min(instants) < max(fwd):
+    if any(a <= b for a, b in zip(instants, instants[1:])) or instants[-1] < max(fwd):
         return None
     load = instant_loads(graph)
     cap = budget_bytes - graph.fixed_bytes

@@ -896,6 +896,15 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             if warm is None or plain.report["objective"] < simulate(graph, warm, bandwidth).time:
                 warm = plain
                 warm.report = {"name": "ilp (no swap)"}
+    def proven_early(plan: Schedule, time: float, bound: float, source: str, result: str, **extra) -> Schedule:
+        """`plan`, with a report that says a relaxation's bound (from `source`) proves it optimal."""
+        plan.report = {"name": "ilp", "backend": backend, "swap": swap, "time_limit": time_limit, "gap_limit": gap,
+                       "wall_time": _time.perf_counter() - t0, **extra,
+                       "warm_start": warm.report.get("name") if warm else None, "solver_result": result,
+                       "bound_from": source, "status": "optimal", "objective": time,
+                       "lower_bound": min(time, bound), "gap": 0.0}
+        return plan
+
     chain = None
     if not swap and not recompute_backward:
         # on a chain, revolve's count is a bound (griewank.chain_bound): a warm start that meets
@@ -905,13 +914,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         if chain is not None and warm is not None:
             res = simulate(graph, warm, bandwidth)
             if res.valid and res.peak_bytes <= budget_bytes and res.time <= chain * (1 + 1e-9):
-                warm.report = {"name": "ilp", "backend": backend, "swap": swap, "time_limit": time_limit,
-                               "gap_limit": gap, "wall_time": _time.perf_counter() - t0,
-                               "warm_start": warm.report.get("name"), "bound_from": "chain (revolve)",
-                               "solver_result": "the warm start meets revolve's bound for chains",
-                               "status": "optimal", "objective": res.time, "lower_bound": min(res.time, chain),
-                               "gap": 0.0}
-                return warm
+                return proven_early(warm, res.time, chain, "chain (revolve)",
+                                    "the warm start meets revolve's bound for chains")
     instant_bounds: list[tuple[float | None, str]] = []
     if use_instant_ip and not swap and not recompute_backward:
         # the instant IP (solvers/instant_ip.py): a relaxation a fifth the size that sees
@@ -950,13 +954,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             if not (res.valid and res.peak_bytes <= budget_bytes):
                 continue
             if instant["bound"] is not None and res.time <= instant["bound"] * (1 + 1e-9):  # (proven: bound = optimum)
-                plan_ip.report = {"name": "ilp", "backend": backend, "swap": swap, "time_limit": time_limit,
-                                  "gap_limit": gap, "wall_time": _time.perf_counter() - t0,
-                                  "variables": instant["variables"], "warm_start": warm.report.get("name")
-                                  if warm else None, "solver_result": f"the {phase} optimum fits the budget",
-                                  "bound_from": phase, "status": "optimal", "objective": res.time,
-                                  "lower_bound": min(res.time, instant["bound"]), "gap": 0.0}
-                return plan_ip
+                return proven_early(plan_ip, res.time, instant["bound"], phase, f"the {phase} optimum fits the budget",
+                                    variables=instant["variables"])
             if warm is None or res.time < simulate(graph, warm, bandwidth).time * (1 - 1e-12):
                 warm = plan_ip
                 warm.report = {"name": phase}
@@ -1012,9 +1011,12 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     elif sched is None:
         raise SolverError(f"the ILP found no schedule within the time limit of {time_limit} s "
                           f"({out['result'] or 'no result'}); raise --time-limit or use a baseline solver")
+    def above_incumbent(value: float) -> bool:  # then it is no bound (a solver's garbage, or a bug)
+        return value > objective * (1 + 1e-6) + 1e-9
+
     bound = out["bound"] * m.time_unit if out["bound"] is not None else None
     proven = out["proven"]
-    if bound is not None and not proven and not bound <= objective * (1 + 1e-6) + 1e-9:
+    if bound is not None and not proven and above_incumbent(bound):
         # CBC interrupted inside its root cut loop can print a garbage bound (seen: 2e13 against
         # an incumbent of 154); a bound above a schedule we hold is no bound
         log.warning("discarding the solver's lower bound %.6g (above the incumbent %.6g)", bound, objective)
@@ -1023,8 +1025,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         left = None if time_limit is None else time_limit - (_time.perf_counter() - t0)
         bound = None
         # (with a relaxation's bound, which take_bound adds below, the LP adds nothing)
-        relaxed = known is not None and known <= objective * (1 + 1e-6) + 1e-9
-        if not relaxed and (left is None or left > 1.0):
+        if (known is None or above_incumbent(known)) and (left is None or left > 1.0):
             try:
                 bound = solve_relaxation(graph, budget_bytes, swap=swap, bandwidth=bandwidth,
                                          recompute_backward=recompute_backward, time_limit=left)[1]
@@ -1049,7 +1050,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         nonlocal bound, proven
         if proven or value is None:
             return
-        if value > objective * (1 + 1e-6) + 1e-9:
+        if above_incumbent(value):
             log.warning("discarding the %s's bound %.6g (above the incumbent %.6g)", source, value, objective)
         elif bound is None or value > bound * (1 + 1e-12):
             bound = value

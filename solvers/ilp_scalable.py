@@ -608,6 +608,13 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             bound, bound_from = value, source
             tell(f"bound:{source}")
 
+    def take_instant(out: dict, source: str, note: str) -> None:  # an instant-IP run's bound and notes
+        notes[note] = {k: out[k] for k in ("objective", "bound", "proven", "variables")}
+        if out["infeasible"]:
+            log.info("ilp-scalable: %s called the instant IP infeasible; ignored (preprocessing can be wrong)", source)
+        else:
+            raise_bound(out["bound"], source)
+
     # 0. cheap bounds and the fine baselines
     if not swap and not recompute_backward:
         kb = knapsack_bound(graph, budget_bytes)
@@ -660,7 +667,6 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                                time_limit=limit_ip, start=staged[0] if staged[0] is not None else best,
                                progress=(lambda d: tell("instant IP", None, max(bound, d["lower_bound"] or 0.0)))
                                if progress else None)
-        notes["instant_ip"] = {k: out[k] for k in ("objective", "bound", "proven", "variables")}
         plan_ip = out["schedule"]
         if plan_ip is not None:
             before = best_time
@@ -674,21 +680,16 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                                            backend=backend, bandwidth=bandwidth), "instant IP, repaired")
                 except SolverError as e:
                     log.info("ilp-scalable: repairing the instant IP's plan failed (%s)", e)
-        if out["infeasible"]:
-            log.info("ilp-scalable: CBC called the instant IP infeasible; ignored (its preprocessing can be wrong)")
-        else:
-            raise_bound(out["bound"], "instant IP")
+        take_instant(out, "instant IP", "instant_ip")
         if highs and gap_open() and (left() is None or left() > 8.0):
             # HiGHS's cuts lift the instant IP's root bound further than CBC's (ResNet-50 at 0.3x,
-            # 60 s: 1.182 against CBC's plateau of 1.172); no warm start, so only its bound is kept
+            # 60 s: 1.182 against CBC's plateau of 1.172); no warm start, so its plan rarely helps
             tell("instant IP (HiGHS)")
             out = instant_ip.solve(graph, budget_bytes, swap=swap, bandwidth=bandwidth, threads=threads,
                                    time_limit=ilp.INSTANT_CAP_S if limit is None else
                                    max(1.0, 0.8 * share(INSTANT_SHARE) - 1.0), backend="highs")
-            notes["instant_ip_highs"] = {k: out[k] for k in ("objective", "bound", "proven", "variables")}
             offer(out["schedule"], "instant IP (HiGHS)")
-            if not out["infeasible"]:
-                raise_bound(out["bound"], "instant IP (HiGHS)")
+            take_instant(out, "instant IP (HiGHS)", "instant_ip_highs")
 
     # 1-3. coarse ILP and expansion; finer coarsening when the coarse graph cannot fit the budget
     n_coarse = min(graph.n, coarse_nodes or COARSE_TARGET)

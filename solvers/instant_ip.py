@@ -120,15 +120,23 @@ def horizons(graph: Graph) -> list[int]:
     return hor
 
 
-def instant_loads(graph: Graph) -> list[int]:
-    """Per instant t: the bytes resident besides forward values (t's output and workspace, and
-    the non-forward values computed before t and read at or after t)."""
-    load = [graph.nodes[t].bytes + graph.nodes[t].workspace_bytes for t in range(graph.n)]
+def interval_loads(graph: Graph) -> list[int]:
+    """Per t: the bytes of non-forward values computed before t and read at t or later
+    (gradients and the loss, never recomputed, stay resident): alive at instant t and across the
+    interval between instants t-1 and t."""
+    load = [0] * graph.n
     for v, node in enumerate(graph.nodes):
         if node.kind != "forward" and graph.succs[v]:
             for t in range(v + 1, max(graph.succs[v]) + 1):
                 load[t] += node.bytes
     return load
+
+
+def instant_loads(graph: Graph) -> list[int]:
+    """Per instant t: the bytes resident besides forward values (t's output and workspace, and
+    `interval_loads`)."""
+    return [alive + graph.nodes[t].bytes + graph.nodes[t].workspace_bytes
+            for t, alive in enumerate(interval_loads(graph))]
 
 
 def forced_loads(graph: Graph, load: list[int] | None = None) -> list[int]:
@@ -222,17 +230,6 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     else:
         prob += base + recompute
     return m
-
-
-def interval_loads(graph: Graph) -> list[int]:
-    """Per interval t (between instants t-1 and t): the bytes of non-forward values computed
-    before it and read after it (gradients and the loss, never recomputed, stay resident)."""
-    load = [0] * graph.n
-    for v, node in enumerate(graph.nodes):
-        if node.kind != "forward" and graph.succs[v]:
-            for t in range(v + 1, max(graph.succs[v]) + 1):
-                load[t] += node.bytes
-    return load
 
 
 def add_rebuild_moments(graph: Graph, m: InstantModel, cap: int, unit: int) -> None:
