@@ -43,4 +43,4 @@ def describe() -> dict[str, str]:
 
 def _load_all() -> None:
     # importing the modules registers them
-    from . import baselines, chen, dtr, griewank, ilp, ilp_scalable, lp_round, tflms  # noqa: F401
+    from . import baselines, chen, dtr, griewank, ilp, ilp_scalable, lp_round, rotor, tflms  # noqa: F401
