@@ -24,10 +24,19 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    Its bound is the strongest this mode has at tight budgets (U-Net d3 at 0.3x: 1.183 where
    the window IP gives 1.132; ResNet-50 d2 at 0.3x: 1.172 against 1.122), and where its optimal
    plan also fits inside every stage it proves it (U-Net d3 at 0.5x: 1.0304 in 4 s).  A plan
-   of its that peaks above the budget inside a stage goes to one shift search.  When HiGHS is
-   installed (the `highs` extra), CBC gets `INSTANT_CBC_SHARE` of that time and, if the gap is
-   still open, HiGHS solves the same model for the rest: its cut loop lifts the root bound
-   further (no warm start through PuLP, so its plans rarely help).
+   of its that peaks above the budget inside a stage goes to one shift search.  HiGHS solves it
+   when installed (the `highs` extra; `ilp._run` hands it the plan as a MIP start through
+   highspy, which PuLP does not): its cut loop lifts the root bound further than CBC's, and it
+   proves U-Net d3 at 0.5x as fast.  Recompute-only, it gets `INSTANT_HIGHS_SHARE` and leaves
+   the rest to 0d.
+0d. Neighbourhood search in the instant IP (recompute only): free the P and N of one region of
+   forward values (`instant_ip.neighbourhoods`: contiguous runs with equal numbers of
+   variables, ends moved to articulation points), fix every other to the best plan, start from
+   it, and solve (HiGHS when installed) for up to `LNS_REGION_S`; the region the plan
+   recomputes most goes first, and the regions take turns while `LNS_SHARE` of the time lasts
+   and one of them still improves.  The plans it finds are simulated like any other (they can
+   peak above the budget inside a stage, as on U-Net).  ResNet-50 d2 at 0.3x: the stem and
+   layer1 freed, 30 s: 1.2743 -> 1.2605, all three regions in turn twice (141 s) 1.2494.
 1. Coarsen (`choose_groups`, `fit_groups`, `coarsen`).  The node ids 0..n-1 are cut into
    contiguous runs of one kind (forward runs, the loss, backward runs); each run becomes one
    node of a quotient graph: time = sum of its members' times, bytes = sum of their bytes,
@@ -120,6 +129,7 @@ log = logging.getLogger(__name__)
 AUTO_THRESHOLD = 100   # mode="auto": graphs with more nodes than this use the scalable mode
 COARSE_TARGET = 60     # nodes of the coarse graph the first try aims at
 COARSE_MAX = 140       # never hand the exact ILP a coarse graph larger than this
+COARSE_MIN_S = 10.0    # with a plan in hand, start the coarse solve only with this much time left (it overran 5 s by 11)
 LP_MAX_NODES = 320     # solve the full LP relaxation (bound, RINS guide) up to this many nodes
 REFINE_MAX_NODES = 320  # run the RINS-restricted fine ILP up to this many nodes
 FULL_REFINE_MAX_NODES = 100  # and the whole fine ILP (warm-started) up to this many
@@ -128,7 +138,11 @@ GAP_EPS = 1e-9         # a gap this small is met (the bound and the simulator ro
 SHIFT_SHARE = 0.35     # of the time left, for shift searches around the best schedule (step 0b)
 SHIFT_ROUNDS = 4       # at most this many, each around the last one's schedule
 INSTANT_SHARE = 0.85   # of the time left, for the instant IP (step 0c)
-INSTANT_CBC_SHARE = 0.4  # of it for CBC when HiGHS is installed and runs the rest
+INSTANT_HIGHS_SHARE = 0.45  # of the time left, for the instant IP on HiGHS when the neighbourhood search follows
+LNS_SHARE = 0.85       # of the time left after step 0c, for the neighbourhood search (step 0d)
+LNS_PARTS = 3          # regions it frees one at a time
+LNS_REGION_S = 30.0    # at most this long on one region (ResNet-50 at 0.3x: 15 s finds nothing in layer1, 30 s does)
+LNS_MIN_S = 5.0        # and at least this long
 INSTANT_MAX_VARS = 40_000  # and only with at most this many P and N variables (GPT-2 d3, 46k: no root LP in 50 s)
 
 
@@ -656,40 +670,65 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         notes["shift_rounds"] = rounds
 
     # 0c. the instant IP, started from the best plan so far: a bound that sees recomputation
-    # cascades, and a plan (solvers/instant_ip.py)
+    # cascades, and a plan (solvers/instant_ip.py).  HiGHS when installed: its cut loop lifts the
+    # root bound further than CBC's (ResNet-50 at 0.3x, 60 s: 1.182 against CBC's plateau of
+    # 1.172); when the neighbourhood search (0d) follows, it keeps a share of the time for it
     if use_instant_ip and not recompute_backward and gap_open() \
             and (left() is None or left() > 4.0) and instant_ip.size(graph) <= INSTANT_MAX_VARS:
-        highs = ilp.highs_available()  # then CBC gets a smaller share and HiGHS the rest (below)
+        ip_backend = "highs" if ilp.highs_available() else "cbc"
+        source = "instant IP" + (" (HiGHS)" if ip_backend == "highs" else "")
         limit_ip = ilp.INSTANT_CAP_S if limit is None else \
-            max(1.0, 0.8 * share(INSTANT_CBC_SHARE if highs else INSTANT_SHARE) - 1.0)
-        tell("instant IP")
+            max(1.0, 0.8 * share(INSTANT_HIGHS_SHARE if ip_backend == "highs" and not swap else INSTANT_SHARE) - 1.0)
+        tell(source)
         out = instant_ip.solve(graph, budget_bytes, swap=swap, bandwidth=bandwidth, threads=threads,
                                time_limit=limit_ip, start=staged[0] if staged[0] is not None else best,
-                               progress=(lambda d: tell("instant IP", None, max(bound, d["lower_bound"] or 0.0)))
-                               if progress else None)
+                               progress=(lambda d: tell(source, None, max(bound, d["lower_bound"] or 0.0)))
+                               if progress else None, backend=ip_backend)
         plan_ip = out["schedule"]
         if plan_ip is not None:
             before = best_time
-            offer(plan_ip, "instant IP")
+            offer(plan_ip, source)
             if best_time == before and out["objective"] is not None and out["objective"] < best_time * (1 - 1e-9) \
                     and (left() is None or left() > 4.0):
                 # it peaks above the budget inside a stage: the fine ILP on its recomputations
                 # (each in its stage or the next) usually repairs it
                 try:
                     offer(ilp.shift_search(graph, budget_bytes, plan_ip, time_limit=share(0.15), threads=threads,
-                                           backend=backend, bandwidth=bandwidth), "instant IP, repaired")
+                                           backend=backend, bandwidth=bandwidth), source + ", repaired")
                 except SolverError as e:
                     log.info("ilp-scalable: repairing the instant IP's plan failed (%s)", e)
-        take_instant(out, "instant IP", "instant_ip")
-        if highs and gap_open() and (left() is None or left() > 8.0):
-            # HiGHS's cuts lift the instant IP's root bound further than CBC's (ResNet-50 at 0.3x,
-            # 60 s: 1.182 against CBC's plateau of 1.172); no warm start, so its plan rarely helps
-            tell("instant IP (HiGHS)")
-            out = instant_ip.solve(graph, budget_bytes, swap=swap, bandwidth=bandwidth, threads=threads,
-                                   time_limit=ilp.INSTANT_CAP_S if limit is None else
-                                   max(1.0, 0.8 * share(INSTANT_SHARE) - 1.0), backend="highs")
-            offer(out["schedule"], "instant IP (HiGHS)")
-            take_instant(out, "instant IP (HiGHS)", "instant_ip_highs")
+        take_instant(out, source, "instant_ip")
+
+    # 0d. neighbourhood search in the instant IP around the best plan: one region of forward
+    # values free (instant_ip.neighbourhoods, the one the plan recomputes most first), the rest
+    # fixed to the plan, started from it; again around each improvement while the share lasts
+    if use_instant_ip and not recompute_backward and not swap and gap_open() and staged[0] is not None \
+            and (left() is None or left() > 2 * LNS_MIN_S) and instant_ip.size(graph) <= INSTANT_MAX_VARS:
+        lns_backend = "highs" if ilp.highs_available() else "cbc"
+        until = None if limit is None else _time.perf_counter() + LNS_SHARE * left()
+        regions = instant_ip.neighbourhoods(graph, LNS_PARTS)
+        counts = simulate(graph, staged[0], bandwidth).compute_counts
+        regions.sort(key=lambda r: -sum((counts[v] - 1) * graph.nodes[v].time for v in r))
+        tell("neighbourhood search")
+        stale, tries, k = 0, 0, 0
+        while stale < len(regions) and gap_open():
+            rest = None if until is None else until - _time.perf_counter()
+            if rest is not None and rest < LNS_MIN_S:
+                break
+            region = regions[k % len(regions)]
+            k += 1
+            before = best_time
+            try:
+                out = instant_ip.solve(graph, budget_bytes, threads=threads, start=staged[0], region=region,
+                                       time_limit=None if rest is None else max(LNS_MIN_S, min(rest, LNS_REGION_S)),
+                                       backend=lns_backend)
+            except SolverError as e:
+                log.info("ilp-scalable: neighbourhood search stopped (%s)", e)
+                break
+            tries += 1
+            offer(out["schedule"], "neighbourhood search")
+            stale = 0 if best_time < before * (1 - 1e-9) else stale + 1
+        notes["neighbourhoods"] = tries
 
     # 1-3. coarse ILP and expansion; finer coarsening when the coarse graph cannot fit the budget
     n_coarse = min(graph.n, coarse_nodes or COARSE_TARGET)
@@ -700,7 +739,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     co = None
     # does the fine LP (and RINS after it) fit the time? then the coarse solve gets a smaller share
     follow = graph.n <= lp_max_nodes and (limit is None or LP_S_PER_UNIT * units <= 0.3 * limit)
-    while (left() is None or left() > (2.0 if tries == 0 else max(2.0, 0.4 * limit))) \
+    while (left() is None or left() > (2.0 if best is None else COARSE_MIN_S if tries == 0 else max(2.0, 0.4 * limit))) \
             and (best is None or gap_open()):  # (no work once the gap asked for is met)
         tries += 1
         groups = fit_groups(graph, choose_groups(graph, n_coarse, cap), budget_bytes)

@@ -8,6 +8,7 @@ import pytest
 from remat import simulate
 from remat.budget import parse_budget
 from remat.generators import linear_chain, random_layered, unet
+from remat.errors import SolverError
 from remat.graph import Graph, Node
 from remat.solvers import get, ilp, ilp_scalable, instant_ip
 
@@ -163,7 +164,7 @@ def test_scalable_mode_proves_a_chain_through_the_instant_ip_where_the_window_ip
     s = ilp_scalable.solve(g, 6, swap=False, time_limit=30, threads=1)
     r = s.report
     assert r["status"] == "optimal" and r["objective"] == pytest.approx(47.0)
-    assert r["bound_from"] == "instant IP" and r["instant_ip"]["bound"] == pytest.approx(47.0)
+    assert r["bound_from"].startswith("instant IP") and r["instant_ip"]["bound"] == pytest.approx(47.0)
 
 
 def test_exact_mode_proves_unet5_where_the_full_ilp_alone_stops_short():
@@ -183,7 +184,7 @@ def test_exact_mode_proves_unet5_where_the_full_ilp_alone_stops_short():
                                               (random_layered(20, seed=2), "0.6x", 157.0)],
                          ids=["chain12", "unet3", "random20s2"])
 def test_highs_solves_the_same_model_to_the_same_optimum(g, budget, optimum):
-    # the scalable mode's second instant-IP run (ilp_scalable step 0c) uses HiGHS for its bound
+    # the scalable mode's instant-IP run (ilp_scalable step 0c) uses HiGHS when installed
     pytest.importorskip("highspy")
     budget = parse_budget(str(budget), g)
     # a HiGHS solve with its default thread count first: HiGHS keeps its first thread pool for
@@ -217,3 +218,72 @@ def test_exact_mode_asks_highs_when_cbc_leaves_the_instant_ip_open(monkeypatch):
     assert calls[:2] == [("cbc", False), ("highs", False)]
     assert r["status"] == "optimal" and r["objective"] == pytest.approx(295.0) and r["bound_from"] == "instant IP (HiGHS)"
     assert simulate(g, s).peak_bytes <= budget
+
+
+def rebuilds(graph: Graph, schedule) -> set:
+    """(instant, value) for every value computed again between two first computes."""
+    out, seen, t = set(), set(), 0
+    for op in schedule.ops:
+        if op.op != "compute":
+            continue
+        if op.node in seen:
+            out.add((t, op.node))
+        else:
+            seen.add(op.node)
+            t += 1
+    return out
+
+
+def test_highs_is_handed_the_warm_start():
+    # PuLP passes HiGHS no MIP start; ilp._run hands it one through highspy.  Stopped before it
+    # solves anything, HiGHS returns the start with it and nothing without it
+    pytest.importorskip("highspy")
+    g = unet(5)
+    budget = parse_budget("0.6x", g)
+    start = ilp.best_baseline(g, budget)
+    for warm in (False, True):
+        m = instant_ip.build(g, budget)
+        if warm:
+            assert instant_ip.set_warm_start(g, m, start)
+        out = ilp._run(m, "highs", 1e-6, 0.0, 1, warm, False)
+        if warm:
+            assert out["objective"] * m.time_unit == pytest.approx(simulate(g, start).time)
+        else:
+            assert out["objective"] is None
+
+
+def test_neighbourhoods_partition_the_forward_nodes_into_runs_ending_at_articulation_points():
+    for g in (unet(5), random_layered(30, seed=1), linear_chain(20)):
+        regions = instant_ip.neighbourhoods(g, 3)
+        fwd = [v for v in range(g.n) if g.nodes[v].kind == "forward"]
+        assert sorted(v for r in regions for v in r) == fwd and len(regions) == 3
+        assert all(max(r) - min(r) + 1 == len(r) for r in regions)
+    # blocks of conv -> conv -> add(input, conv): the balanced ends move to the adds, the only
+    # articulation points
+    times, sizes, edges = [1.0], [4], []
+    for _ in range(10):
+        a = len(times) - 1
+        times += [1.0, 2.0, 0.5]
+        sizes += [1, 4, 4]
+        edges += [(a, a + 1), (a + 1, a + 2), (a + 2, a + 3), (a, a + 3)]
+    from remat.generators import from_forward
+    g = from_forward(times, sizes, edges)
+    ends = [max(r) for r in instant_ip.neighbourhoods(g, 3)][:-1]
+    assert ends and all(e % 3 == 0 for e in ends)  # the adds are 3, 6, 9, ...
+
+
+@pytest.mark.parametrize("backend", ["cbc", "highs"])
+def test_neighbourhood_search_frees_only_its_region_and_keeps_the_start(backend):
+    if backend == "highs":
+        pytest.importorskip("highspy")
+    g = unet(5)
+    budget = parse_budget("0.6x", g)
+    start = ilp.best_baseline(g, budget)
+    region = instant_ip.neighbourhoods(g, 3)[1]
+    out = instant_ip.solve(g, budget, start=start, region=region, time_limit=20, threads=1, backend=backend)
+    assert out["bound"] is None  # a neighbourhood's bound is not the graph's
+    assert out["objective"] <= simulate(g, start).time + 1e-9
+    outside = lambda s: {(t, v) for t, v in rebuilds(g, s) if v not in region}  # noqa: E731
+    assert outside(out["schedule"]) <= outside(start)
+    with pytest.raises(SolverError, match="needs a start"):
+        instant_ip.solve(g, budget, region=region)
