@@ -73,6 +73,17 @@ interval, so its plans may still peak above the budget.  Their LP is no stronger
 branching), and the model is half as large again, so the exact mode runs it only after the plain
 model proved an optimum that does not fit.
 
+Strict moments (`strict=True`, a model for plans, not a bound)
+-------------------------------------------------------------
+K[t,u]   continuous  K >= N[t,u] + P[t,u] - 1: u is rebuilt in interval t and kept to instant t
+moment   as above, plus sum_{u < v rebuilt in t, not an input of v} M_u K[t,u]
+`schedule_from` rebuilds an interval's values in id order and keeps those resident at the
+instant, so at v's rebuild the earlier ones kept to the instant are resident too; the rebuild
+rows miss them (U-Net d3 at 0.3x: `downs.0.conv.conv1` rebuilt before `ups.3:cat` for a later
+instant is part of what tips that moment over the budget).  A schedule that rebuilds in another
+order need not satisfy these rows, so the model is no relaxation; the scalable mode's
+neighbourhood search uses it where the plain model's plan peaks above the budget.
+
 An integral solution without host copies is also a schedule: stage t recomputes {v : N[t,v]}
 and computes t, and keeps what those computes need (`ilp.minimal_keep`).  It may peak above
 the budget inside a stage, so the caller simulates it like any other candidate.
@@ -103,6 +114,7 @@ class InstantModel:
     O: dict = field(default_factory=dict)
     H: dict = field(default_factory=dict)
     Z: dict = field(default_factory=dict)
+    K: dict = field(default_factory=dict)  # (strict) rebuilt in the interval and kept to its instant
     moments: dict = field(default_factory=dict)  # interval -> names of its rebuild-moment rows
     T: pulp.LpVariable | None = None
     time_unit: float = 1.0
@@ -156,9 +168,11 @@ def size(graph: Graph) -> int:
 
 
 def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: float | None = None,
-          in_stage: bool = False) -> InstantModel | None:
+          in_stage: bool = False, strict: bool = False) -> InstantModel | None:
     """The model of the module docstring (with `in_stage`, its held-through variables and
-    rebuild-moment rows); None when some instant cannot hold what it must."""
+    rebuild-moment rows; with `strict`, those and the kept rebuilds of "Strict moments"); None
+    when some instant cannot hold what it must."""
+    in_stage = in_stage or strict
     n = graph.n
     C, M = graph.times, graph.sizes
     fwd = [v.kind == "forward" for v in graph.nodes]
@@ -218,7 +232,7 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
             prob.addConstraint(pulp.lpSum((M[v] // unit) * m.P[t, v] for v in by_instant[t]) <= room // unit,
                                f"memory_{t}")
     if in_stage:
-        add_rebuild_moments(graph, m, cap, unit)
+        add_rebuild_moments(graph, m, cap, unit, strict)
     base = graph.total_time / cu
     recompute = pulp.lpSum((C[v] / cu) * x for (_, v), x in m.N.items())
     if swap:
@@ -232,9 +246,11 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     return m
 
 
-def add_rebuild_moments(graph: Graph, m: InstantModel, cap: int, unit: int) -> None:
+def add_rebuild_moments(graph: Graph, m: InstantModel, cap: int, unit: int, strict: bool = False) -> None:
     """The `in_stage` rows (module docstring): per interval, the held-through values and the
-    largest rebuild moment fit beside the gradients alive across it."""
+    largest rebuild moment fit beside the gradients alive across it; with `strict`, a moment
+    also holds the values rebuilt before it in the interval (in id order) and kept to its
+    instant."""
     M, W = graph.sizes, [v.workspace_bytes for v in graph.nodes]
     load = interval_loads(graph)
     rebuilt: dict[int, list[int]] = {}
@@ -243,13 +259,20 @@ def add_rebuild_moments(graph: Graph, m: InstantModel, cap: int, unit: int) -> N
     held_at: dict[int, list[int]] = {}
     for (t, v) in m.H:
         held_at.setdefault(t, []).append(v)
+    if strict:
+        for (t, u), x in m.N.items():
+            if (t, u) in m.P:
+                k = m.K[t, u] = pulp.LpVariable(f"K_{t}_{u}", 0)
+                m.prob.addConstraint(k >= x + m.P[t, u] - 1, f"kept_{t}_{u}")
     for t, vs in rebuilt.items():
         Z = m.Z[t] = pulp.LpVariable(f"Z_{t}", 0)
         for v in vs:
             inputs = [u for u in set(graph.preds[v]) if (t, u) in m.P]  # tracked forward inputs
+            kept = [u for u in vs if u < v and u not in inputs and (t, u) in m.K]
             m.prob.addConstraint(
                 Z >= ((M[v] + W[v]) // unit + sum(M[u] // unit for u in inputs)) * m.N[t, v]
-                - pulp.lpSum((M[u] // unit) * m.H[t, u] for u in inputs if (t, u) in m.H), f"moment_{t}_{v}")
+                - pulp.lpSum((M[u] // unit) * m.H[t, u] for u in inputs if (t, u) in m.H)
+                + pulp.lpSum((M[u] // unit) * m.K[t, u] for u in kept), f"moment_{t}_{v}")
             m.moments.setdefault(t, []).append(f"moment_{t}_{v}")
         m.prob.addConstraint(pulp.lpSum((M[w] // unit) * m.H[t, w] for w in held_at.get(t, [])) + Z
                              <= (cap - load[t]) // unit, f"interval_{t}")
@@ -289,6 +312,8 @@ def set_warm_start(graph: Graph, m: InstantModel, schedule: Schedule) -> bool:
     for (i, v), h in m.H.items():  # resident at both instants, neither rebuilt nor brought back
         h.setInitialValue(int(on(m.P, (i, v)) and on(m.P, (i - 1, v)) and not on(m.N, (i, v))
                               and not on(m.SI, (i, v))))
+    for (i, v), k in m.K.items():  # rebuilt in the interval and kept to its instant
+        k.setInitialValue(int(on(m.N, (i, v)) and on(m.P, (i, v))))
     for i, z in m.Z.items():  # the largest rebuild moment (each row reads Z - moment >= 0)
         z.setInitialValue(0)
         z.setInitialValue(max([0.0] + [-m.prob.constraints[k].value() for k in m.moments[i]]))
@@ -366,7 +391,7 @@ def schedule_from(graph: Graph, m: InstantModel) -> Schedule | None:
 def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: float | None = None,
           time_limit: float | None = 30.0, threads: int | None = None, start: Schedule | None = None,
           msg: bool = False, progress=None, in_stage: bool = False, backend: str = "cbc",
-          region: set[int] | None = None) -> dict:
+          region: set[int] | None = None, strict: bool = False) -> dict:
     """Run CBC (or HiGHS) on the instant IP, from `start` when given.  Returns {"bound": seconds
     or None, "schedule": Schedule or None, "objective": seconds or None, "proven": bool,
     "infeasible": bool, "variables": int}.  The bound is valid for every schedule whose backward
@@ -375,8 +400,10 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
 
     With `region` (a set of forward nodes; needs a `start` that maps onto the model), every
     variable of a value outside it is fixed to `start`'s value: a neighbourhood search around
-    `start` (see `neighbourhoods`), whose bound is not the graph's (it is dropped)."""
-    m = build(graph, budget_bytes, swap=swap, bandwidth=bandwidth, in_stage=in_stage)
+    `start` (see `neighbourhoods`), whose bound is not the graph's (it is dropped).  `strict`
+    builds the model of "Strict moments" (a plan model, not a relaxation: its bound is dropped
+    too)."""
+    m = build(graph, budget_bytes, swap=swap, bandwidth=bandwidth, in_stage=in_stage, strict=strict)
     if m is None:
         return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": True,
                 "variables": 0}
@@ -385,7 +412,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
         if not warm:
             raise SolverError("instant IP: a neighbourhood search needs a start that maps onto the model")
         fix_outside(m, region)
-    nvar = len(m.P) + len(m.N) + len(m.SI) + len(m.O) + len(m.H) + len(m.Z)
+    nvar = len(m.P) + len(m.N) + len(m.SI) + len(m.O) + len(m.H) + len(m.Z) + len(m.K)
     log.info("instant IP: %d variables, %d rows, warm start %s", nvar, len(m.prob.constraints), warm)
     try:
         out = ilp._run(m, backend, time_limit, 0.0, threads, warm, msg, progress=progress if backend == "cbc" else None)
@@ -399,7 +426,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     if out["sol_status"] in (1, 2) and out["objective"] is not None:
         obj = out["objective"] * cu
         sched = schedule_from(graph, m)
-    bound = out["bound"] * cu if out["bound"] is not None and not out["infeasible"] and region is None else None
+    bound = out["bound"] * cu if out["bound"] is not None and not out["infeasible"] and region is None \
+        and not strict else None
     if bound is not None:
         bound = max(bound, graph.total_time)
     return {"bound": bound, "schedule": sched, "objective": obj, "proven": bool(out["proven"]),
