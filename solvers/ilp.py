@@ -639,18 +639,17 @@ WATCHDOG_GRACE = (1.1, 3.0)
 WATCHDOG_KILL_S = 5.0
 
 
-def _highs_with_start() -> type:
-    """PuLP's HiGHS solver class, handing the variables' current values to HiGHS as a MIP start
-    (PuLP passes HiGHS none; highspy's setSolution takes one, and HiGHS ignores it if infeasible)."""
-    class HiGHSWithStart(pulp.HiGHS):
-        def callSolver(self, lp):
-            import highspy
-            start = highspy.HighsSolution()
-            start.col_value = [float(v.varValue) if v.varValue is not None else 0.0 for v in lp.variables()]
-            start.value_valid = True
-            lp.solverModel.setSolution(start)  # columns are lp.variables() in order (buildSolverModel)
-            super().callSolver(lp)
-    return HiGHSWithStart
+class _HiGHSWithStart(pulp.HiGHS):
+    """PuLP's HiGHS solver, handing the variables' current values to HiGHS as a MIP start (PuLP
+    passes HiGHS none; highspy's setSolution takes one, and HiGHS ignores it if infeasible)."""
+
+    def callSolver(self, lp):
+        import highspy
+        start = highspy.HighsSolution()
+        start.col_value = [float(v.varValue) if v.varValue is not None else 0.0 for v in lp.variables()]
+        start.value_valid = True
+        lp.solverModel.setSolution(start)  # columns are lp.variables() in order (buildSolverModel)
+        super().callSolver(lp)
 
 
 def highs_available() -> bool:
@@ -826,7 +825,7 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
                 "result": result, "infeasible": "infeasible" in result.lower()}
     if backend == "highs":
         try:
-            solver = (_highs_with_start() if warm else pulp.HiGHS)(
+            solver = (_HiGHSWithStart if warm else pulp.HiGHS)(
                 msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None, threads=threads)
         except Exception as e:  # pragma: no cover
             raise SolverError(f"HiGHS backend unavailable ({e}); install highspy or use --backend cbc")

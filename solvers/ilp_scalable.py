@@ -627,6 +627,9 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             bound, bound_from = value, source
             tell(f"bound:{source}")
 
+    def overflowed(out: dict, before: float) -> bool:  # a model's plan better than `before` that did not fit
+        return best_time == before and out["objective"] is not None and out["objective"] < best_time * (1 - 1e-9)
+
     def take_instant(out: dict, source: str, note: str) -> None:  # an instant-IP run's bound and notes
         notes[note] = {k: out[k] for k in ("objective", "bound", "proven", "variables")}
         if out["infeasible"]:
@@ -678,9 +681,9 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     # cascades, and a plan (solvers/instant_ip.py).  HiGHS when installed: its cut loop lifts the
     # root bound further than CBC's (ResNet-50 at 0.3x, 60 s: 1.182 against CBC's plateau of
     # 1.172); when the neighbourhood search (0d) follows, it keeps a share of the time for it
+    ip_backend = "highs" if ilp.highs_available() else "cbc"  # for the instant IP (0c) and its neighbourhoods (0d)
     if use_instant_ip and not recompute_backward and gap_open() \
             and (left() is None or left() > 4.0) and instant_ip.size(graph) <= INSTANT_MAX_VARS:
-        ip_backend = "highs" if ilp.highs_available() else "cbc"
         source = "instant IP" + (" (HiGHS)" if ip_backend == "highs" else "")
         limit_ip = ilp.INSTANT_CAP_S if limit is None else \
             max(1.0, 0.8 * share(INSTANT_HIGHS_SHARE if ip_backend == "highs" and not swap else INSTANT_SHARE) - 1.0)
@@ -693,8 +696,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         if plan_ip is not None:
             before = best_time
             offer(plan_ip, source)
-            if best_time == before and out["objective"] is not None and out["objective"] < best_time * (1 - 1e-9) \
-                    and (left() is None or left() > 4.0):
+            if overflowed(out, before) and (left() is None or left() > 4.0):
                 # it peaks above the budget inside a stage: the fine ILP on its recomputations
                 # (each in its stage or the next) usually repairs it
                 try:
@@ -709,13 +711,12 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     # fixed to the plan, started from it; again around each improvement while the share lasts
     if use_instant_ip and not recompute_backward and not swap and gap_open() and staged[0] is not None \
             and (left() is None or left() > 2 * LNS_MIN_S) and instant_ip.size(graph) <= INSTANT_MAX_VARS:
-        lns_backend = "highs" if ilp.highs_available() else "cbc"
         until = None if limit is None else _time.perf_counter() + LNS_SHARE * left()
         regions = instant_ip.neighbourhoods(graph, LNS_PARTS)
         counts = simulate(graph, staged[0], bandwidth).compute_counts
         regions.sort(key=lambda r: -sum((counts[v] - 1) * graph.nodes[v].time for v in r))
         tell("neighbourhood search")
-        stale, tries, k = 0, 0, 0
+        stale, searched, k = 0, 0, 0
         while stale < len(regions) and gap_open():
             rest = None if until is None else until - _time.perf_counter()
             if rest is not None and rest < LNS_MIN_S:
@@ -726,26 +727,25 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
             try:
                 out = instant_ip.solve(graph, budget_bytes, threads=threads, start=staged[0], region=region,
                                        time_limit=None if rest is None else max(LNS_MIN_S, min(rest, LNS_REGION_S)),
-                                       backend=lns_backend)
+                                       backend=ip_backend)
             except SolverError as e:
                 log.info("ilp-scalable: neighbourhood search stopped (%s)", e)
                 break
-            tries += 1
+            searched += 1
             offer(out["schedule"], "neighbourhood search")
             rest = None if until is None else until - _time.perf_counter()
-            if best_time == before and out["objective"] is not None and out["objective"] < best_time * (1 - 1e-9) \
-                    and (rest is None or rest >= LNS_MIN_S):
+            if overflowed(out, before) and (rest is None or rest >= LNS_MIN_S):
                 # its plan peaks above the budget inside a stage: the same region in the model
                 # that also counts the rebuilds kept to their instant (instant_ip "Strict moments")
                 try:
                     out = instant_ip.solve(graph, budget_bytes, threads=threads, start=staged[0], region=region,
                                            time_limit=None if rest is None else min(rest, LNS_REGION_S),
-                                           backend=lns_backend, strict=True)
+                                           backend=ip_backend, strict=True)
                     offer(out["schedule"], "neighbourhood search (strict moments)")
                 except SolverError as e:
                     log.info("ilp-scalable: strict neighbourhood search failed (%s)", e)
             stale = 0 if best_time < before * (1 - 1e-9) else stale + 1
-        notes["neighbourhoods"] = tries
+        notes["neighbourhoods"] = searched
 
     # 1-3. coarse ILP and expansion; finer coarsening when the coarse graph cannot fit the budget
     n_coarse = min(graph.n, coarse_nodes or COARSE_TARGET)

@@ -160,11 +160,17 @@ def forced_loads(graph: Graph, load: list[int] | None = None) -> list[int]:
             for t in range(graph.n)]
 
 
-def size(graph: Graph) -> int:
-    """Number of P and N variables `build` creates (without swap), computed without building."""
+def variable_counts(graph: Graph) -> list[int]:
+    """Per node: the P and N variables `build` creates for its value (without swap), computed
+    without building."""
     hor = horizons(graph)
-    return sum(2 * (hor[v] - v) - 1 for v, node in enumerate(graph.nodes)
-               if node.kind == "forward" and node.bytes > 0 and hor[v] > v)
+    return [2 * (hor[v] - v) - 1 if node.kind == "forward" and node.bytes > 0 and hor[v] > v else 0
+            for v, node in enumerate(graph.nodes)]
+
+
+def size(graph: Graph) -> int:
+    """Number of P and N variables `build` creates (without swap)."""
+    return sum(variable_counts(graph))
 
 
 def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: float | None = None,
@@ -340,16 +346,14 @@ def neighbourhoods(graph: Graph, parts: int = 3) -> list[set[int]]:
     """Contiguous runs of forward nodes with about equal numbers of instant-IP variables, each
     ending at the articulation point nearest its balanced end where the graph has them: the
     regions a neighbourhood search frees one at a time.  Contiguous and cut at block ends (an end
-    moves at most a quarter of a region's length),
-    because what makes a value worth keeping or rebuilding is its block's choice (ResNet-50 at
-    0.3x: the stem and layer1 freed together improve the plan, halves of them freed in turn
-    do not)."""
+    moves at most a quarter of a region's length), because what makes a value worth keeping or
+    rebuilding is its block's choice (ResNet-50 at 0.3x: the stem and layer1 freed together
+    improve the plan, halves of them freed in turn do not)."""
     from .ilp_scalable import checkmate_layout
     from .rotor import cut_points
-    hor = horizons(graph)
+    weight = variable_counts(graph)
     fwd = [v for v in range(graph.n) if graph.nodes[v].kind == "forward"]
-    weight = {v: max(0, 2 * (hor[v] - v) - 1) for v in fwd}
-    total = sum(weight.values()) or 1
+    total = sum(weight) or 1
     ends, acc = [], 0
     for v in fwd:
         acc += weight[v]

@@ -242,8 +242,9 @@ def menu(ch: Chain, graph: Graph, b: int) -> list[frozenset]:
 
 
 def plan(graph: Graph, cap_bytes: int, slots: int = SLOTS, max_blocks: int = MAX_BLOCKS):
-    """(op list, predicted time, smallest feasible activation bytes at this resolution) for an
-    activation budget `cap_bytes` (the budget less the fixed bytes); op list None if nothing fits."""
+    """(op list, predicted time, smallest feasible activation bytes at this resolution, number of
+    blocks) for an activation budget `cap_bytes` (the budget less the fixed bytes); op list None
+    if nothing fits."""
     ch = chain_of_blocks(graph, max_blocks)
     L, a = ch.L, ch.out
     # exact bytes when the budget spans few multiples of the sizes' gcd, else `slots` units
@@ -257,6 +258,9 @@ def plan(graph: Graph, cap_bytes: int, slots: int = SLOTS, max_blocks: int = MAX
 
     x = [0] + [graph.nodes[a[b]].bytes for b in range(1, L)] + [0]
     dbytes = [sum(graph.nodes[u].bytes for u in c) for c in ch.cross]
+
+    def gone(t: int, h: int) -> int:  # bytes Opt(., t, h) frees by its end: D_t, and a_t when held
+        return dbytes[t] + (x[t] if h else 0)
     leaf, store = {}, {}
     for b in range(1, L + 1):
         items = menu(ch, graph, b)
@@ -309,15 +313,14 @@ def plan(graph: Graph, cap_bytes: int, slots: int = SLOTS, max_blocks: int = MAX
                     for pk, tm, keep in leaf[s, h]:
                         cands.append((np.where(ks >= pk, tm, np.inf), ("leaf", keep)))
                 else:
-                    gone = dbytes[t] + (x[t] if h else 0)  # freed by the time block s runs backward
-                    for pf, kept, pb, tm, keep in store[s]:
-                        ok = (ks >= pf) & (ks >= up(pb - gone))
-                        cands.append((np.where(ok, tm + shift(opt[s + 1, t, h], kept), np.inf), ("store", keep)))
+                    for pf, kept, pb, tm, keep in store[s]:  # (D_t and a_t are gone when block s runs backward)
+                        ok = (ks >= pf) & (ks >= up(pb - gone(t, h)))
+                        cands.append((np.where(ok, tm + shift(opt[s + 1, t, h], kept), np.inf), ("store", keep, kept)))
                     for j in range(s + 1, t + 1):
                         pc, tc = through[s, j - 1]
                         first = shift(opt[j, t, h], up(x[j - 1]))
                         for h2 in (0, 1):
-                            held = dbytes[j - 1] - gone + (x[j - 1] if h2 else 0)
+                            held = dbytes[j - 1] - gone(t, h) + (x[j - 1] if h2 else 0)
                             c = np.where(ks >= pc, tc + first + shift(opt[s, j - 1, h2], up(held)), np.inf)
                             cands.append((c, ("checkpoint", j, h2)))
                 best = np.full(K, np.inf)
@@ -332,7 +335,7 @@ def plan(graph: Graph, cap_bytes: int, slots: int = SLOTS, max_blocks: int = MAX
     finite = np.flatnonzero(np.isfinite(top))
     smallest = int(finite[0] * unit) if finite.size else None
     if not np.isfinite(top[K - 1]):
-        return None, math.inf, smallest
+        return None, math.inf, smallest, L
 
     rp = Replay(graph, set())
 
@@ -343,8 +346,8 @@ def plan(graph: Graph, cap_bytes: int, slots: int = SLOTS, max_blocks: int = MAX
             forward_keeping(ch, graph, rp, s, lab[1], skip_out=bool(h))
             backward(ch, graph, rp, s)
         elif lab[0] == "store":
-            kept = next(o[1] for o in store[s] if o[4] == lab[1])
-            forward_keeping(ch, graph, rp, s, lab[1])
+            _, keep, kept = lab
+            forward_keeping(ch, graph, rp, s, keep)
             emit(s + 1, t, h, min(K - 1, k - kept))
             backward(ch, graph, rp, s)
         else:
@@ -353,31 +356,31 @@ def plan(graph: Graph, cap_bytes: int, slots: int = SLOTS, max_blocks: int = MAX
             emit(j, t, h, k - up(x[j - 1]))
             if not h2:
                 rp.free(a[j - 1])
-            held = dbytes[j - 1] - dbytes[t] - (x[t] if h else 0) + (x[j - 1] if h2 else 0)
+            held = dbytes[j - 1] - gone(t, h) + (x[j - 1] if h2 else 0)
             emit(s, j - 1, h2, min(K - 1, k - up(held)))
 
     emit(1, L, 0, K - 1)
-    return rp.ops, float(top[K - 1]), smallest
+    return rp.ops, float(top[K - 1]), smallest, L
 
 
 @register("rotor", "rotor/Rockmate-style DP over the chain of blocks (articulation points), per-block keep menus")
 def rotor(graph: Graph, budget_bytes: int | None = None, *, slots: int = SLOTS, **_: object) -> Schedule:
-    """The DP's schedule for `budget_bytes` (whole-step bytes; without one, the no-recompute
-    peak).  Raises `InfeasibleBudgetError` with the smallest budget the DP reaches."""
+    """The DP's schedule for `budget_bytes` (whole-step bytes; without one, room for every value
+    at once).  Raises `InfeasibleBudgetError` with the smallest budget the DP reaches."""
     if budget_bytes is None:
         budget_bytes = graph.fixed_bytes + sum(v.bytes for v in graph.nodes)
     cap = budget_bytes - graph.fixed_bytes
     ops = None
     if cap > 0:
-        ops, predicted, _ = plan(graph, cap, slots)
+        ops, predicted, _, blocks = plan(graph, cap, slots)
     if ops is None:
         widest = sum(v.bytes for v in graph.nodes)  # everything resident at once: always enough
-        _, _, smallest = plan(graph, widest, slots)
+        _, _, smallest, _ = plan(graph, widest, slots)
         least = None if smallest is None else graph.fixed_bytes + smallest
         raise InfeasibleBudgetError(
             f"rotor: no schedule of the block DP fits {budget_bytes} bytes"
             + (f"; it needs at least about {least} bytes" if least is not None else ""),
             budget_bytes, min_feasible_bytes=least, fixed_bytes=graph.fixed_bytes)
     sched, res = checked(graph, Schedule(ops), budget_bytes, "rotor")
-    sched.report.update({"predicted": predicted, "blocks": chain_of_blocks(graph).L})
+    sched.report.update({"predicted": predicted, "blocks": blocks})
     return sched
