@@ -3,7 +3,8 @@
 For each case: nodes, budget, what produced the plan and the bound, wall time, overhead (time /
 no-recompute time), lower bound (valid for the whole graph) and gap.  Zoo graphs are traced once
 by benchmarks/scalable_graphs.py (profile="flops", module granularity) and cached under
-benchmarks/out/graphs/.  CBC with one thread.  Writes a CSV and prints a Markdown table.
+benchmarks/out/graphs/.  CBC with one thread (`--threads 2`: the instant IP in a worker process
+beside the rest, each on one thread).  Writes a CSV and prints a Markdown table.
 
     python benchmarks/scalable.py                              # every case, 120 s (zoo) / 280 s (random)
     python benchmarks/scalable.py --cases resnet50_d2@0.5x,random500@0.8x --time-limit 120
@@ -45,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--random-time-limit", type=float, default=280.0, help="seconds per random-DAG solve")
     ap.add_argument("--swap", action="store_true")
     ap.add_argument("--mode", default="auto", choices=("auto", "scalable", "exact"))
+    ap.add_argument("--threads", type=int, default=1, help="solver threads (default 1; 2 runs the instant IP beside)")
     ap.add_argument("--out", default="benchmarks/out/scalable.csv")
     ap.add_argument("-v", action="store_true", help="log the solver's phases")
     args = ap.parse_args(argv)
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
         limit = args.random_time_limit if name.startswith("random") else args.time_limit
         t0 = time.perf_counter()
         try:
-            s = ilp.solve(g, budget, swap=args.swap, time_limit=limit, threads=1, mode=args.mode)
+            s = ilp.solve(g, budget, swap=args.swap, time_limit=limit, threads=args.threads, mode=args.mode)
         except Exception as e:  # report and go on
             print(f"{case}: {type(e).__name__}: {e}", flush=True)
             rows.append({"graph": name, "nodes": g.n, "budget": ratio, "swap": args.swap, "mode": args.mode,

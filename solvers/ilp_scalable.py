@@ -28,7 +28,10 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    when installed (the `highs` extra; `ilp._run` hands it the plan as a MIP start through
    highspy, which PuLP does not): its cut loop lifts the root bound further than CBC's, and it
    proves U-Net d3 at 0.5x as fast.  Recompute-only, it gets `INSTANT_HIGHS_SHARE` and leaves
-   the rest to 0d.
+   the rest to 0d.  With `threads` >= 2 it runs instead in a process of its own
+   (`InstantWorker`), started right after step 0 for `WORKER_SHARE` of the time, while 0b, 0d
+   and the later steps go on beside it with one thread fewer; its plan and bound are taken when
+   it ends (between neighbourhoods, or at the end).
 0d. Neighbourhood search in the instant IP (recompute only): free the P and N of one region of
    forward values (`instant_ip.neighbourhoods`: contiguous runs with equal numbers of
    variables, ends moved to articulation points), fix every other to the best plan, start from
@@ -114,6 +117,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
 import time as _time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -149,6 +158,9 @@ LNS_PARTS = 3          # regions it frees one at a time
 LNS_REGION_S = 30.0    # at most this long on one region (ResNet-50 at 0.3x: 15 s finds nothing in layer1, 30 s does)
 LNS_MIN_S = 5.0        # and at least this long
 INSTANT_MAX_VARS = 40_000  # and only with at most this many P and N variables (GPT-2 d3, 46k: no root LP in 50 s)
+WORKER_SHARE = 0.9     # with threads >= 2: of the time left after step 0, for the instant IP in a worker process
+WORKER_START_S = 3.0   # what starting the worker (a fresh interpreter, imports, the model) costs it at most
+WORKER_MAX_VARS = 60_000  # the worker's instant IP may be larger: it has nearly all the time
 
 
 # ---- coarsening -------------------------------------------------------------------------------
@@ -513,6 +525,75 @@ BUILD_S_PER_UNIT = 1.5e-4
 LP_S_PER_UNIT = 3.5e-4
 
 
+# ---- step 0c in a process of its own ----------------------------------------------------------
+def _worker_main(task: str, result: str) -> None:
+    """The worker process's body (`python -c`): `instant_ip.solve` on the pickled (graph, budget,
+    options) in `task`, its result dict (or {"error": ...}) pickled to `result`."""
+    try:
+        with open(task, "rb") as fh:
+            graph, budget_bytes, options = pickle.load(fh)
+        out = instant_ip.solve(graph, budget_bytes, **options)
+    except BaseException as e:  # noqa: BLE001 - whatever it was, the parent must hear of it
+        out = {"error": f"{type(e).__name__}: {e}"}
+    with open(result + ".part", "wb") as fh:
+        pickle.dump(out, fh)
+    os.replace(result + ".part", result)
+
+
+class InstantWorker:
+    """The instant IP (step 0c) solved in a process of its own beside the main search, so that with
+    two cores the bound gets the whole time and steps 0b/0d are not paused for it.
+
+    A fresh interpreter (`sys.executable -c`, the parent's `sys.path`), not a thread: HiGHS
+    releases the GIL, but `ilp._run` resets HiGHS's process-wide scheduler before each solve,
+    which a second HiGHS in the same process would not survive.  Nor multiprocessing: its
+    "spawn" re-imports the caller's main script (a user's script without a `__main__` guard
+    would run again, or fail), and "fork" copies a process whose solver threads may hold locks.
+    The task and the result travel as pickles in a temporary folder.  `poll(wait)` returns
+    `instant_ip.solve`'s dict once the worker has ended ({"error": ...} when it failed or died),
+    None before; `close()` stops the process and removes the folder."""
+
+    def __init__(self, graph: Graph, budget_bytes: int, time_limit: float | None, **options) -> None:
+        self._dir = tempfile.mkdtemp(prefix="remat_worker_")
+        task, self._result = os.path.join(self._dir, "task.pkl"), os.path.join(self._dir, "result.pkl")
+        with open(task, "wb") as fh:
+            pickle.dump((graph, budget_bytes, dict(options, time_limit=time_limit)), fh)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self._errors = open(os.path.join(self._dir, "stderr.txt"), "wb")
+        code = f"from remat.solvers.ilp_scalable import _worker_main; _worker_main({task!r}, {self._result!r})"
+        self._proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=self._errors)
+        self.result: dict | None = None
+
+    def poll(self, wait: float = 0.0) -> dict | None:
+        if self.result is not None:
+            return self.result
+        try:
+            self._proc.wait(timeout=max(0.0, wait))
+        except subprocess.TimeoutExpired:
+            return None
+        try:
+            with open(self._result, "rb") as fh:
+                self.result = pickle.load(fh)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            self._errors.flush()
+            with open(self._errors.name, "rb") as fh:
+                tail = fh.read()[-300:].decode(errors="replace").strip()
+            self.result = {"error": f"the worker exited with code {self._proc.returncode} ({tail or 'no message'})"}
+        return self.result
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._errors.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
 def model_units(graph: Graph) -> int:
     """Size of the fine model, for predicting its cost: R and S entries plus one FREE per
     (stage, input of a node that may run in it)."""
@@ -546,19 +627,33 @@ def _gap(obj: float, bound: float | None) -> float | None:
 
 @register("ilp-scalable", "the ILP's scalable mode: coarsen at narrow points, solve exactly, expand, refine; "
                           "reports a bound for the whole graph")
-def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: float | None = 60.0,
-          gap: float = 0.0, threads: int | None = None, backend: str = "cbc", bandwidth: float | None = None,
-          recompute_backward: bool = False, progress: Callable[[dict], None] | None = None,
-          coarse_nodes: int | None = None, lp_max_nodes: int = LP_MAX_NODES,
-          refine_max_nodes: int = REFINE_MAX_NODES, full_refine_max_nodes: int = FULL_REFINE_MAX_NODES,
-          msg: bool = False, use_instant_ip: bool = True, **_: object) -> Schedule:
+def solve(graph: Graph, budget_bytes: int, **options) -> Schedule:
+    """A schedule under `budget_bytes` (whole-step bytes) with a lower bound for the whole graph;
+    the options and the result are `_search`'s.  A worker process it starts (threads >= 2) is
+    stopped however the search ends."""
+    workers: list[InstantWorker] = []
+    try:
+        return _search(graph, budget_bytes, workers, **options)
+    finally:
+        for w in workers:
+            w.close()
+
+
+def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True, time_limit: float | None = 60.0,
+            gap: float = 0.0, threads: int | None = None, backend: str = "cbc", bandwidth: float | None = None,
+            recompute_backward: bool = False, progress: Callable[[dict], None] | None = None,
+            coarse_nodes: int | None = None, lp_max_nodes: int = LP_MAX_NODES,
+            refine_max_nodes: int = REFINE_MAX_NODES, full_refine_max_nodes: int = FULL_REFINE_MAX_NODES,
+            msg: bool = False, use_instant_ip: bool = True, **_: object) -> Schedule:
     """A schedule under `budget_bytes` (whole-step bytes) with a lower bound for the whole graph.
 
     Options as `ilp.solve`, plus `coarse_nodes` (size of the coarse graph to aim at; default
     `COARSE_TARGET`, or the graph itself when smaller), `lp_max_nodes`, `refine_max_nodes` and
     `full_refine_max_nodes` (largest graphs for the full LP bound, for RINS and for the whole
     warm-started fine ILP; 0 turns a step off) and `use_instant_ip` (step 0c, and in the coarse
-    solve).  Raises `InfeasibleBudgetError` when the budget cannot hold what must be resident,
+    solve).  With `threads` >= 2, step 0c runs in a worker process (`InstantWorker`, one thread)
+    from the end of step 0 on, beside the other steps, which get one thread fewer; it is
+    appended to `workers` for the caller to stop.  Raises `InfeasibleBudgetError` when the budget cannot hold what must be resident,
     `SolverError` when no schedule was found in time.  `progress(dict)`
     gets {"phase", "elapsed", "incumbent", "lower_bound", "gap"} (seconds of the schedule) at
     every new incumbent or bound; during the coarse solve "incumbent" is the coarse model's,
@@ -654,6 +749,52 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     units = model_units(graph) * (3 if swap else 1)  # swap adds SO, SI, SF and their rows
     notes["model_units"] = units
 
+    # 0c. the instant IP, started from the best plan so far: a bound that sees recomputation
+    # cascades, and a plan (solvers/instant_ip.py).  HiGHS when installed: its cut loop lifts the
+    # root bound further than CBC's (ResNet-50 at 0.3x, 60 s: 1.182 against CBC's plateau of
+    # 1.172); when the neighbourhood search (0d) follows, it keeps a share of the time for it.
+    # With two threads or more it runs in a worker process, started here (before 0b), for
+    # nearly all the time, and its result is taken when it comes (`collect`)
+    ip_backend = "highs" if ilp.highs_available() else "cbc"  # for the instant IP (0c) and its neighbourhoods (0d)
+    source_ip = "instant IP" + (" (HiGHS)" if ip_backend == "highs" else "")
+
+    def use_instant(out: dict, source: str) -> None:  # step 0c's plan (repaired if it peaks over) and bound
+        plan_ip = out["schedule"]
+        if plan_ip is not None:
+            before = best_time
+            offer(plan_ip, source)
+            if overflowed(out, before) and (left() is None or left() > 4.0):
+                # it peaks above the budget inside a stage: the fine ILP on its recomputations
+                # (each in its stage or the next) usually repairs it
+                try:
+                    offer(ilp.shift_search(graph, budget_bytes, plan_ip, time_limit=share(0.15), threads=threads,
+                                           backend=backend, bandwidth=bandwidth), source + ", repaired")
+                except SolverError as e:
+                    log.info("ilp-scalable: repairing the instant IP's plan failed (%s)", e)
+        take_instant(out, source, "instant_ip")
+
+    def collect(wait: float = 0.0) -> None:  # the worker's result, once it is there
+        if not workers or workers[0].result is not None or workers[0].poll(wait) is None:
+            return
+        out = workers[0].result
+        workers[0].close()
+        if "error" in out:
+            log.warning("ilp-scalable: the instant IP's worker failed (%s)", out["error"])
+            notes["instant_ip"] = {"error": out["error"]}
+        else:
+            use_instant(out, source_ip + ", worker")
+
+    instant_vars = instant_ip.size(graph) if use_instant_ip and not recompute_backward else None
+    run_instant = instant_vars is not None and instant_vars <= INSTANT_MAX_VARS
+    if instant_vars is not None and instant_vars <= WORKER_MAX_VARS and (threads or 1) >= 2 and gap_open() \
+            and (left() is None or left() > 4.0 + WORKER_START_S):
+        limit_w = ilp.INSTANT_CAP_S if limit is None else max(1.0, WORKER_SHARE * left() - WORKER_START_S)
+        workers.append(InstantWorker(graph, budget_bytes, limit_w, swap=swap, bandwidth=bandwidth, threads=1,
+                                     start=staged[0] if staged[0] is not None else best, backend=ip_backend))
+        notes["instant_ip_worker_s"] = round(limit_w, 1)
+        threads -= 1  # the worker's core
+        tell(source_ip + ", worker")
+
     # 0b. the fine ILP restricted to the best schedule's recomputations, each in its stage or the
     # next (ilp.shift_search), again around each improvement while its share of the time lasts
     if graph.n <= refine_max_nodes and staged[0] is not None \
@@ -677,34 +818,16 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
                 break
         notes["shift_rounds"] = rounds
 
-    # 0c. the instant IP, started from the best plan so far: a bound that sees recomputation
-    # cascades, and a plan (solvers/instant_ip.py).  HiGHS when installed: its cut loop lifts the
-    # root bound further than CBC's (ResNet-50 at 0.3x, 60 s: 1.182 against CBC's plateau of
-    # 1.172); when the neighbourhood search (0d) follows, it keeps a share of the time for it
-    ip_backend = "highs" if ilp.highs_available() else "cbc"  # for the instant IP (0c) and its neighbourhoods (0d)
-    if use_instant_ip and not recompute_backward and gap_open() \
-            and (left() is None or left() > 4.0) and instant_ip.size(graph) <= INSTANT_MAX_VARS:
-        source = "instant IP" + (" (HiGHS)" if ip_backend == "highs" else "")
+    # 0c (one thread): the instant IP here, for its share of the time
+    if run_instant and not workers and gap_open() and (left() is None or left() > 4.0):
         limit_ip = ilp.INSTANT_CAP_S if limit is None else \
             max(1.0, 0.8 * share(INSTANT_HIGHS_SHARE if ip_backend == "highs" and not swap else INSTANT_SHARE) - 1.0)
-        tell(source)
-        out = instant_ip.solve(graph, budget_bytes, swap=swap, bandwidth=bandwidth, threads=threads,
-                               time_limit=limit_ip, start=staged[0] if staged[0] is not None else best,
-                               progress=(lambda d: tell(source, None, max(bound, d["lower_bound"] or 0.0)))
-                               if progress else None, backend=ip_backend)
-        plan_ip = out["schedule"]
-        if plan_ip is not None:
-            before = best_time
-            offer(plan_ip, source)
-            if overflowed(out, before) and (left() is None or left() > 4.0):
-                # it peaks above the budget inside a stage: the fine ILP on its recomputations
-                # (each in its stage or the next) usually repairs it
-                try:
-                    offer(ilp.shift_search(graph, budget_bytes, plan_ip, time_limit=share(0.15), threads=threads,
-                                           backend=backend, bandwidth=bandwidth), source + ", repaired")
-                except SolverError as e:
-                    log.info("ilp-scalable: repairing the instant IP's plan failed (%s)", e)
-        take_instant(out, source, "instant_ip")
+        tell(source_ip)
+        use_instant(instant_ip.solve(graph, budget_bytes, swap=swap, bandwidth=bandwidth, threads=threads,
+                                     time_limit=limit_ip, start=staged[0] if staged[0] is not None else best,
+                                     progress=(lambda d: tell(source_ip, None, max(bound, d["lower_bound"] or 0.0)))
+                                     if progress else None, backend=ip_backend), source_ip)
+    collect()
 
     # 0d. neighbourhood search in the instant IP around the best plan: one region of forward
     # values free (instant_ip.neighbourhoods, the one the plan recomputes most first), the rest
@@ -718,6 +841,9 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         tell("neighbourhood search")
         stale, searched, k = 0, 0, 0
         while stale < len(regions) and gap_open():
+            collect()  # (a worker's plan, or a bound that closes the gap)
+            if not gap_open():
+                break
             rest = None if until is None else until - _time.perf_counter()
             if rest is not None and rest < LNS_MIN_S:
                 break
@@ -851,6 +977,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         except SolverError as e:
             log.info("ilp-scalable: refinement failed (%s)", e)
 
+    if gap_open():  # the worker's last word (its time limit ends with ours)
+        collect(wait=(ilp.INSTANT_CAP_S if left() is None else max(0.0, left())) + WORKER_START_S)
     if best is None:
         raise SolverError(f"ilp-scalable found no schedule within {time_limit} s (no baseline fits and the "
                           "coarse ILP gave none); raise --time-limit or use the exact ILP")

@@ -9,7 +9,7 @@ import pytest
 
 from remat import simulate
 from remat.budget import parse_budget
-from remat.errors import InfeasibleBudgetError, InvalidInputError
+from remat.errors import InfeasibleBudgetError, InvalidInputError, SolverError
 from remat.generators import linear_chain, random_layered, unet
 from remat.graph import Graph, Node
 from remat.solvers import get, ilp, ilp_scalable, names
@@ -355,3 +355,63 @@ def test_neighbourhood_search_improves_on_the_shift_search():
     res = fits(g, s, budget)
     assert res.time == pytest.approx(r["objective"]) and res.time <= 179.0 + 1e-9
     assert r["lower_bound"] <= res.time
+
+
+# ---- step 0c in a worker process (threads >= 2) ---------------------------------------------------
+def test_two_threads_prove_the_same_optimum_with_the_instant_ip_in_a_worker(no_chain_bound, monkeypatch):
+    # chain12 at 6 units: only the instant IP proves lookahead's 47 (the window IP stops at 45);
+    # with two threads that proof comes from the worker process.  (No full LP, RINS or whole
+    # fine ILP, and no coarse ILP, which is the exact ILP on this graph: the main search has no
+    # bound of its own that could prove it first; the worker process is not patched.)
+    def no_coarse(*a, **k):
+        raise SolverError("no coarse ILP in this test")
+
+    monkeypatch.setattr(ilp, "solve", no_coarse)
+    g = linear_chain(12)
+    opts = dict(swap=False, time_limit=30, lp_max_nodes=0, refine_max_nodes=0, full_refine_max_nodes=0)
+    one = ilp_scalable.solve(g, 6, threads=1, **opts)
+    two = ilp_scalable.solve(g, 6, threads=2, **opts)
+    assert "instant_ip_worker_s" not in one.report and one.report["bound_from"].startswith("instant IP")
+    r = two.report
+    assert r["instant_ip_worker_s"] > 0 and r["bound_from"].endswith(", worker")
+    assert r["status"] == "optimal" and r["objective"] == pytest.approx(47.0) == one.report["objective"]
+    assert r["instant_ip"]["bound"] == pytest.approx(47.0) and r["instant_ip"]["proven"]
+    assert fits(g, two, 6).time == pytest.approx(47.0)
+
+
+def test_a_failing_worker_reports_its_error():
+    # a neighbourhood search without a start is refused inside the worker: the parent hears why
+    g = linear_chain(8)
+    w = ilp_scalable.InstantWorker(g, 6, 5.0, region={1, 2})
+    try:
+        out = w.poll(wait=60.0)
+    finally:
+        w.close()
+    assert out is not None and "needs a start" in out["error"] and "SolverError" in out["error"]
+    # one that dies says so, with its exit code
+    w = ilp_scalable.InstantWorker(g, 6, 30.0)
+    try:
+        w._proc.kill()
+        out = w.poll(wait=30.0)
+    finally:
+        w.close()
+    assert out is not None and "exited with code -9" in out["error"]
+
+
+def test_the_worker_is_stopped_when_the_search_fails(monkeypatch):
+    started = []
+
+    class Recorded(ilp_scalable.InstantWorker):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            started.append(self)
+
+    def broken(*a, **k):
+        raise RuntimeError("shift search broke")
+
+    monkeypatch.setattr(ilp_scalable, "InstantWorker", Recorded)
+    monkeypatch.setattr(ilp, "shift_search", broken)  # step 0b, which runs while the worker does
+    g = unet(3)  # at 0.6x, the baselines and the cheap bounds leave a gap, so the worker starts
+    with pytest.raises(RuntimeError, match="shift search broke"):
+        ilp_scalable.solve(g, parse_budget("0.6x", g), swap=False, time_limit=60, threads=2)
+    assert len(started) == 1 and started[0]._proc.poll() is not None
