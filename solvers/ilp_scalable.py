@@ -789,11 +789,15 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
     if instant_vars is not None and instant_vars <= WORKER_MAX_VARS and (threads or 1) >= 2 and gap_open() \
             and (left() is None or left() > 4.0 + WORKER_START_S):
         limit_w = ilp.INSTANT_CAP_S if limit is None else max(1.0, WORKER_SHARE * left() - WORKER_START_S)
-        workers.append(InstantWorker(graph, budget_bytes, limit_w, swap=swap, bandwidth=bandwidth, threads=1,
-                                     start=staged[0] if staged[0] is not None else best, backend=ip_backend))
-        notes["instant_ip_worker_s"] = round(limit_w, 1)
-        threads -= 1  # the worker's core
-        tell(source_ip + ", worker")
+        try:
+            workers.append(InstantWorker(graph, budget_bytes, limit_w, swap=swap, bandwidth=bandwidth, threads=1,
+                                         start=staged[0] if staged[0] is not None else best, backend=ip_backend))
+        except OSError as e:  # no interpreter to start (an embedded Python): step 0c runs in line
+            log.warning("ilp-scalable: cannot start the instant IP's worker (%s); solving it in line", e)
+        else:
+            notes["instant_ip_worker_s"] = round(limit_w, 1)
+            threads -= 1  # the worker's core
+            tell(source_ip + ", worker")
 
     # 0b. the fine ILP restricted to the best schedule's recomputations, each in its stage or the
     # next (ilp.shift_search), again around each improvement while its share of the time lasts

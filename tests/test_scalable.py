@@ -415,3 +415,14 @@ def test_the_worker_is_stopped_when_the_search_fails(monkeypatch):
     with pytest.raises(RuntimeError, match="shift search broke"):
         ilp_scalable.solve(g, parse_budget("0.6x", g), swap=False, time_limit=60, threads=2)
     assert len(started) == 1 and started[0]._proc.poll() is not None
+
+
+def test_without_an_interpreter_to_start_the_instant_ip_runs_in_line(no_chain_bound, monkeypatch, caplog):
+    import sys
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    g = linear_chain(12)
+    s = ilp_scalable.solve(g, 6, swap=False, time_limit=30, threads=2)
+    r = s.report
+    assert "instant_ip_worker_s" not in r and "cannot start the instant IP's worker" in caplog.text
+    assert r["status"] == "optimal" and r["objective"] == pytest.approx(47.0)
+    assert r["instant_ip"]["bound"] == pytest.approx(47.0)
