@@ -561,8 +561,13 @@ class InstantWorker:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self._errors = open(os.path.join(self._dir, "stderr.txt"), "wb")
         code = f"from remat.solvers.ilp_scalable import _worker_main; _worker_main({task!r}, {self._result!r})"
-        self._proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.DEVNULL, stderr=self._errors)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, stderr=self._errors)
+        except OSError:
+            self._errors.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         self.result: dict | None = None
 
     def poll(self, wait: float = 0.0) -> dict | None:
@@ -651,10 +656,11 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
     `COARSE_TARGET`, or the graph itself when smaller), `lp_max_nodes`, `refine_max_nodes` and
     `full_refine_max_nodes` (largest graphs for the full LP bound, for RINS and for the whole
     warm-started fine ILP; 0 turns a step off) and `use_instant_ip` (step 0c, and in the coarse
-    solve).  With `threads` >= 2, step 0c runs in a worker process (`InstantWorker`, one thread)
-    from the end of step 0 on, beside the other steps, which get one thread fewer; it is
-    appended to `workers` for the caller to stop.  Raises `InfeasibleBudgetError` when the budget cannot hold what must be resident,
-    `SolverError` when no schedule was found in time.  `progress(dict)`
+    solve).  With `threads` >= 2, step 0c runs in a worker process (`InstantWorker`, one
+    thread) from the end of step 0 on, beside the other steps, which get one thread fewer; it is
+    appended to `workers` for the caller to stop.  Raises `InfeasibleBudgetError` when the
+    budget cannot hold what must be resident, `SolverError` when no schedule was found in
+    time.  `progress(dict)`
     gets {"phase", "elapsed", "incumbent", "lower_bound", "gap"} (seconds of the schedule) at
     every new incumbent or bound; during the coarse solve "incumbent" is the coarse model's,
     which its expansion matches without swap.

@@ -417,12 +417,15 @@ def test_the_worker_is_stopped_when_the_search_fails(monkeypatch):
     assert len(started) == 1 and started[0]._proc.poll() is not None
 
 
-def test_without_an_interpreter_to_start_the_instant_ip_runs_in_line(no_chain_bound, monkeypatch, caplog):
+def test_without_an_interpreter_to_start_the_instant_ip_runs_in_line(no_chain_bound, monkeypatch, caplog, tmp_path):
     import sys
+    import tempfile
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     g = linear_chain(12)
     s = ilp_scalable.solve(g, 6, swap=False, time_limit=30, threads=2)
     r = s.report
     assert "instant_ip_worker_s" not in r and "cannot start the instant IP's worker" in caplog.text
     assert r["status"] == "optimal" and r["objective"] == pytest.approx(47.0)
     assert r["instant_ip"]["bound"] == pytest.approx(47.0)
+    assert not list(tmp_path.glob("remat_worker_*"))  # (the worker's folder is not left behind)
