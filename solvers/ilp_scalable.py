@@ -842,8 +842,8 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
     # 0d. neighbourhood search in the instant IP around the best plan: one region of forward
     # values free (instant_ip.neighbourhoods, the one the plan recomputes most first), the rest
     # fixed to the plan, started from it; again around each improvement while the share lasts
-    if use_instant_ip and not recompute_backward and not swap and gap_open() and staged[0] is not None \
-            and (left() is None or left() > 2 * LNS_MIN_S) and instant_ip.size(graph) <= INSTANT_MAX_VARS:
+    if run_instant and not swap and gap_open() and staged[0] is not None \
+            and (left() is None or left() > 2 * LNS_MIN_S):
         until = None if limit is None else _time.perf_counter() + LNS_SHARE * left()
         regions = instant_ip.neighbourhoods(graph, LNS_PARTS)
         counts = simulate(graph, staged[0], bandwidth).compute_counts
