@@ -303,3 +303,74 @@ def test_strict_moments_make_a_plan_that_fits_where_the_plain_model_overflows():
     assert strict["objective"] == pytest.approx(159.0) and strict["bound"] is None  # no relaxation
     res = simulate(g, strict["schedule"])
     assert res.valid and res.peak_bytes <= budget and res.time == pytest.approx(159.0)
+
+
+# ---- split at tight instants ----------------------------------------------------------------------
+SPLIT_CASES = [(linear_chain(12), "0.4x", 54.0, True), (unet(3), "0.6x", 295.0, True), (unet(4), "0.6x", 595.0, True),
+               (random_layered(20, seed=2), "0.6x", 159.0, False), (random_layered(15, seed=0), "0.8x", 129.0, False),
+               (random_layered(20, seed=4), "0.65x", 187.0, False)]
+
+
+@pytest.mark.parametrize("g,ratio,optimum,meets", SPLIT_CASES,
+                         ids=["chain12", "unet3", "unet4", "random20s2", "random15", "random20s4"])
+def test_split_bound_stays_below_the_optimum_and_adds_up_its_windows(g, ratio, optimum, meets):
+    # optima: the exact ILP's (tests above and test_scalable's table); on the chain and the
+    # U-Nets the windows' sum is the optimum itself
+    budget = parse_budget(ratio, g)
+    backend = "highs" if ilp.highs_available() else "cbc"
+    out = instant_ip.split_bound(g, budget, time_limit=30, threads=1, backend=backend)
+    candidates = instant_ip.split_candidates(g, budget)
+    assert candidates and set(out["cuts"]) <= set(candidates) and out["cuts"][0] == candidates[0]
+    wins = out["windows"]
+    assert [a for a, *_ in wins] == [0] + out["cuts"] and [b for _, b, *_ in wins] == out["cuts"] + [g.n - 1]
+    assert out["bound"] == pytest.approx(g.total_time + sum(lb for _, _, lb, _ in wins))
+    assert out["proven"]
+    assert out["bound"] <= optimum * (1 + 1e-9)
+    assert (out["bound"] == pytest.approx(optimum)) == meets
+
+
+def test_split_candidates_are_tight_backward_instants():
+    g = unet(4)
+    budget = parse_budget("0.6x", g)
+    cap = budget - g.fixed_bytes
+    forced = instant_ip.forced_loads(g)
+    cands = instant_ip.split_candidates(g, budget)
+    assert cands == sorted(cands) and len(cands) <= instant_ip.SPLIT_MOST
+    assert all(g.nodes[t].kind == "backward" and cap - forced[t] <= instant_ip.SPLIT_ROOM * cap for t in cands)
+    others = [cap - forced[t] for t, v in enumerate(g.nodes) if v.kind == "backward" and t not in cands
+              and 0 < t < g.n - 1]
+    assert all(cap - forced[t] <= r for t in cands for r in others)  # the tightest ones
+    assert len(cands) == instant_ip.SPLIT_MOST or all(r > instant_ip.SPLIT_ROOM * cap for r in others)
+    assert instant_ip.split_candidates(g, parse_budget("1x", g)) == []  # nothing is tight without a squeeze
+    assert instant_ip.split_bound(g, parse_budget("1x", g)) is None
+
+
+@pytest.mark.parametrize("g,ratio", [(unet(3), "0.6x"), (random_layered(20, seed=2), "0.7x"), (linear_chain(16), "0.3x")],
+                         ids=["unet3", "random20", "chain16"])
+def test_every_schedule_maps_onto_every_window_at_no_more_than_its_recomputation(g, ratio):
+    # the split bound's proof, checked: read off a schedule, each window's variables satisfy every
+    # row the window keeps, and the windows of any cuts cost at most what the schedule recomputes
+    budget = parse_budget(ratio, g)
+    points = instant_ip.split_candidates(g, budget)
+    assert points
+    checked = 0
+    for name in SOLVERS:
+        try:
+            sched = get(name)(g, budget)
+        except Exception:  # a baseline that cannot meet this budget
+            continue
+        res = simulate(g, sched)
+        if not res.valid or res.peak_bytes > budget or any(op.op == "swap_in" for op in sched.ops):
+            continue
+        ends = [0] + points + [g.n - 1]
+        total = 0.0
+        for a, b in zip(ends, ends[1:]):
+            m = instant_ip.build(g, budget, window=(a, b))
+            assert all(t >= a for t, _ in m.P) and all(t > a for t, _ in m.N) and all(t <= b for t, _ in m.P)
+            assert instant_ip.set_warm_start(g, m, sched)
+            bad = [k for k, c in m.prob.constraints.items() if not c.valid(1e-9)]
+            assert not bad, (name, a, b, bad[:5])
+            total += (m.prob.objective.value() or 0.0) * m.time_unit
+        assert total <= (res.time - g.total_time) * (1 + 1e-9) + 1e-9, name
+        checked += 1
+    assert checked >= 2

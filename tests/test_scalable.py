@@ -429,3 +429,30 @@ def test_without_an_interpreter_to_start_the_instant_ip_runs_in_line(no_chain_bo
     assert r["status"] == "optimal" and r["objective"] == pytest.approx(47.0)
     assert r["instant_ip"]["bound"] == pytest.approx(47.0)
     assert not list(tmp_path.glob("remat_worker_*"))  # (the worker's folder is not left behind)
+
+
+def test_the_split_bound_proves_what_the_whole_instant_ip_leaves_open(monkeypatch):
+    # unet(4) at 0.6x: the windows cut at its tight backward instants add up to the optimum, 595
+    # (test_instant_ip), so with the whole instant IP giving nothing (as when it times out) the
+    # proof comes from step 0c's split bound; the worker process runs the same step
+    from remat.solvers import instant_ip
+    g = unet(4)
+    budget = parse_budget("0.6x", g)
+    w = ilp_scalable.InstantWorker(g, budget, 30.0, threads=1)
+    try:
+        out = w.poll(wait=60.0)
+    finally:
+        w.close()
+    assert out["split"]["proven"] and out["split"]["bound"] == pytest.approx(595.0)
+
+    def timed_out(graph, budget_bytes, **k):
+        return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": False,
+                "variables": 0}
+
+    monkeypatch.setattr(instant_ip, "solve", timed_out)
+    s = ilp_scalable.solve(g, budget, swap=False, time_limit=60, threads=1)
+    r = s.report
+    assert r["split_bound"]["proven"] and r["split_bound"]["bound"] == pytest.approx(595.0)
+    assert r["split_bound"]["cuts"][0] == instant_ip.split_candidates(g, budget)[0]
+    assert r["lower_bound"] == pytest.approx(595.0) and fits(g, s, budget).time == pytest.approx(595.0)
+    assert r["status"] == "optimal" and "split at tight instants" in r["bound_from"]
