@@ -32,10 +32,11 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    (`InstantWorker`), started right after step 0 for `WORKER_SHARE` of the time, while 0b, 0d
    and the later steps go on beside it with one thread fewer; its plan and bound are taken when
    it ends (between neighbourhoods, or at the end).  Recompute-only, on a graph with tight
-   backward instants, the step first spends `SPLIT_SHARE` of its time on the split bound
+   backward instants, the step keeps `SPLIT_SHARE` of its time for the split bound
    (`instant_ip.split_bound`: the instant IP cut at those instants into windows, each solved on
-   its own, their optima added): ResNet-50 d2 at 0.3x 1.1895 where the whole model plateaus at
-   1.1818, U-Net d3 at 0.3x 1.1878 (1.1847).
+   its own, their optima added), run when the whole model has not proven its optimum:
+   ResNet-50 d2 at 0.3x 1.1895 where the whole model plateaus at 1.1818, U-Net d3 at 0.3x
+   1.1878 (1.1847).
 0d. Neighbourhood search in the instant IP (recompute only): free the P and N of one region of
    forward values (`instant_ip.neighbourhoods`: contiguous runs with equal numbers of
    variables, ends moved to articulation points), fix every other to the best plan, start from
@@ -167,7 +168,8 @@ INSTANT_MAX_VARS = 40_000  # and only with at most this many P and N variables (
 WORKER_SHARE = 0.9     # with threads >= 2: of the time left after step 0, for the instant IP in a worker process
 WORKER_START_S = 3.0   # what starting the worker (a fresh interpreter, imports, the model) costs it at most
 WORKER_MAX_VARS = 60_000  # the worker's instant IP may be larger: it has nearly all the time
-SPLIT_SHARE = 0.35     # of step 0c's time, for the split bound first (where the graph has tight instants)
+SPLIT_SHARE = 0.35     # of step 0c's time, for the split bound after the instant IP (where the graph has tight instants),
+SPLIT_MIN_S = 25.0     # and at least this long, up to 60 % of the step (its first window needs a root LP and cuts)
 
 
 # ---- coarsening -------------------------------------------------------------------------------
@@ -532,22 +534,24 @@ BUILD_S_PER_UNIT = 1.5e-4
 LP_S_PER_UNIT = 3.5e-4
 
 
-# ---- step 0c in a process of its own ----------------------------------------------------------
+# ---- step 0c, in line or in a process of its own -----------------------------------------------
 def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, swap: bool = False,
                  threads: int | None = None, backend: str = "cbc", **options) -> dict:
-    """Step 0c: recompute only, the split bound (`instant_ip.split_bound`, where the graph has
-    tight backward instants) for `SPLIT_SHARE` of the time, then the instant IP
-    (`instant_ip.solve`, `options` passed on) for the rest.  Returns `instant_ip.solve`'s dict
+    """Step 0c: the instant IP (`instant_ip.solve`, `options` passed on), and when it does not
+    prove its optimum, recompute only, on a graph with tight backward instants, the split bound
+    (`instant_ip.split_bound`) for the rest of the time: with a limit, the split bound keeps
+    `SPLIT_SHARE` of it, or `SPLIT_MIN_S` up to 60 % of it.  Returns `instant_ip.solve`'s dict
     with "split": `split_bound`'s dict or None."""
     t0 = _time.perf_counter()
-    split = None
-    if not swap and instant_ip.split_candidates(graph, budget_bytes):
-        split = instant_ip.split_bound(graph, budget_bytes, threads=threads, backend=backend,
-                                       time_limit=None if time_limit is None else SPLIT_SHARE * time_limit)
-    rest = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
-    out = instant_ip.solve(graph, budget_bytes, swap=swap, threads=threads, backend=backend, time_limit=rest,
+    split = not swap and bool(instant_ip.split_candidates(graph, budget_bytes))
+    first = time_limit if time_limit is None or not split else \
+        max(1.0, time_limit - max(SPLIT_SHARE * time_limit, min(SPLIT_MIN_S, 0.6 * time_limit)))
+    out = instant_ip.solve(graph, budget_bytes, swap=swap, threads=threads, backend=backend, time_limit=first,
                            **options)
-    out["split"] = split
+    out["split"] = None
+    if split and not out["proven"] and not out["infeasible"]:
+        rest = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
+        out["split"] = instant_ip.split_bound(graph, budget_bytes, threads=threads, backend=backend, time_limit=rest)
     return out
 
 

@@ -97,7 +97,7 @@ where what must be resident leaves little room, the start is nearly forced and l
 while each small window is solved to optimality where the whole model's branching stalls.
 ResNet-50 d2 at 0.3x cut at three backward instants of layer1 (11.7 and 110 MiB of room beyond
 what they must hold, of 698 MiB): the last three windows are proven (0.141 of the step, 1.5
-s), the first gets 0.048 from HiGHS's root: 1.1896, where the whole model plateaus at 1.1818.
+s), the first gets 0.048 from HiGHS's root: 1.1895, where the whole model plateaus at 1.1818.
 The candidates are the `SPLIT_MOST` backward instants with the least room (at most
 `SPLIT_ROOM` of the budget's); the first window ends at the earliest, and a longest path over
 the windows between the candidates (all pairs, each solved on its own) picks the later cuts,
@@ -336,10 +336,11 @@ def split_bound(graph: Graph, budget_bytes: int, *, time_limit: float | None = 3
     """The lower bound of "Split at tight instants": {"bound": seconds, "cuts": the instants cut
     at, "windows": [(a, b, recompute bound in seconds, proven)], "proven": every window chosen
     solved to optimality}; None without candidates (`split_candidates`, or `cuts` when given).
-    The windows between candidates (or a candidate and the end), small ones first, share
-    1 - `SPLIT_FIRST` of the time (what one leaves goes to the next), the first window (from 0 to
-    the first candidate) gets what is left, and when it is proven early the unproven windows of
-    the best cuts are solved again with the rest (from scratch; each keeps its better bound)."""
+    The windows between candidates (or a candidate and the end), small ones first, share half of
+    1 - `SPLIT_FIRST` of the time (what one leaves goes to the next), and those of the best cuts
+    so far that are still unproven are solved again with the other half (from scratch; each
+    window keeps its better bound); the first window (from 0 to the first candidate) gets what
+    is left, and when it is proven early, the best cuts' unproven windows get the rest."""
     import time as _time
     points = sorted(set(cuts)) if cuts is not None else split_candidates(graph, budget_bytes)
     if not points:
@@ -373,7 +374,7 @@ def split_bound(graph: Graph, budget_bytes: int, *, time_limit: float | None = 3
         start = _time.perf_counter()
         for k, w in enumerate(todo):
             solve_window(w, None if total is None else
-                         max(0.5, (total - (_time.perf_counter() - start)) / (len(todo) - k)))
+                         max(0.2, (total - (_time.perf_counter() - start)) / (len(todo) - k)))
 
     head = (0, points[0])
 
@@ -384,13 +385,18 @@ def split_bound(graph: Graph, budget_bytes: int, *, time_limit: float | None = 3
                           key=lambda x: x[0])
         return got[head][0] + path[points[0]][0], [head] + path[points[0]][1]
 
+    def unproven_on_best() -> list[tuple[int, int]]:
+        return [w for w in best_cuts()[1] if not got[w][1] and w != head]
+
     tails = sorted((w for w in windows[1:] if not got[w][1]), key=lambda w: weight[w])  # the small ones first
-    share_out(tails, None if time_limit is None else (1 - SPLIT_FIRST) * time_limit)
+    tail_time = None if time_limit is None else (1 - SPLIT_FIRST) * time_limit
+    share_out(tails, None if tail_time is None else tail_time / 2)
+    if unproven_on_best() and (left() is None or time_limit - left() < tail_time):
+        share_out(unproven_on_best(), None if tail_time is None else tail_time - (time_limit - left()))
     if not got[head][1]:
         share_out([head], left())
-    again = [w for w in best_cuts()[1] if not got[w][1] and w != head]
-    if again and (left() is None or left() > 1.0):  # (the first window was proven early)
-        share_out(again, left())
+    if unproven_on_best() and (left() is None or left() > 1.0):  # (the first window was proven early)
+        share_out(unproven_on_best(), left())
     value, chosen = best_cuts()
     log.info("split bound: windows %s (%.1f s)",
              [(a, b, round(got[a, b][0] / graph.total_time, 4), got[a, b][1]) for a, b in chosen],
