@@ -107,6 +107,18 @@ def test_swap_bound_stays_below_the_swap_optimum(g, budget):
 SOLVERS = ("lookahead", "dtr", "chen-sqrtn", "griewank", "checkpoint-all", "tflms")
 
 
+def fitting_schedules(g, budget):
+    """(name, schedule, simulation) of each of SOLVERS' schedules that is valid and fits."""
+    for name in SOLVERS:
+        try:
+            sched = get(name)(g, budget)
+        except Exception:  # a baseline that cannot meet this budget
+            continue
+        res = simulate(g, sched)
+        if res.valid and res.peak_bytes <= budget:
+            yield name, sched, res
+
+
 @pytest.mark.parametrize("g,ratio", [(linear_chain(16), "0.5x"), (unet(3), "0.6x"), (odd_graph(1), "0.8x"),
                                      (random_layered(20, seed=2), "0.7x")],
                          ids=["chain16", "unet3", "odd1", "random20"])
@@ -116,14 +128,7 @@ def test_every_schedule_maps_onto_a_solution_that_costs_no_more(g, ratio):
     # most the schedule's simulated time
     budget = parse_budget(ratio, g)
     checked = 0
-    for name in SOLVERS:
-        try:
-            sched = get(name)(g, budget)
-        except Exception:  # a baseline that cannot meet this budget
-            continue
-        res = simulate(g, sched)
-        if not res.valid or res.peak_bytes > budget:
-            continue
+    for name, sched, res in fitting_schedules(g, budget):
         swap = any(op.op == "swap_in" for op in sched.ops)
         for in_stage in (False, True):  # (with the held-through variables and rebuild moments)
             m = instant_ip.build(g, budget, swap=swap, in_stage=in_stage)
@@ -354,13 +359,8 @@ def test_every_schedule_maps_onto_every_window_at_no_more_than_its_recomputation
     points = instant_ip.split_candidates(g, budget)
     assert points
     checked = 0
-    for name in SOLVERS:
-        try:
-            sched = get(name)(g, budget)
-        except Exception:  # a baseline that cannot meet this budget
-            continue
-        res = simulate(g, sched)
-        if not res.valid or res.peak_bytes > budget or any(op.op == "swap_in" for op in sched.ops):
+    for name, sched, res in fitting_schedules(g, budget):
+        if any(op.op == "swap_in" for op in sched.ops):
             continue
         ends = [0] + points + [g.n - 1]
         total = 0.0
