@@ -41,8 +41,9 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    forward values (`instant_ip.neighbourhoods`: contiguous runs with equal numbers of
    variables, ends moved to articulation points), fix every other to the best plan, start from
    it, and solve (HiGHS when installed) for up to `LNS_REGION_S`; the region the plan
-   recomputes most goes first, and the regions take turns while `LNS_SHARE` of the time lasts
-   and one of them still improves.  The plans it finds are simulated like any other (they can
+   recomputes most goes first, then the others from the least recomputed (little to rearrange:
+   HiGHS settles them quickly, and what they change frees memory for the costly ones), and the
+   regions take turns while `LNS_SHARE` of the time lasts and one of them still improves.  The plans it finds are simulated like any other (they can
    peak above the budget inside a stage); when a region's plan is better but does not fit, the
    same region is solved again in the instant IP with strict moments (rebuilds kept to their
    instant count at later rebuilds: a plan model, not a relaxation).  ResNet-50 d2 at 0.3x: the
@@ -873,14 +874,16 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
     collect()
 
     # 0d. neighbourhood search in the instant IP around the best plan: one region of forward
-    # values free (instant_ip.neighbourhoods, the one the plan recomputes most first), the rest
+    # values free (instant_ip.neighbourhoods; the one the plan recomputes most, then the others
+    # from the least recomputed), the rest
     # fixed to the plan, started from it; again around each improvement while the share lasts
     if run_instant and not swap and gap_open() and staged[0] is not None \
             and (left() is None or left() > 2 * LNS_MIN_S):
         until = None if limit is None else _time.perf_counter() + LNS_SHARE * left()
         regions = instant_ip.neighbourhoods(graph, LNS_PARTS)
         counts = simulate(graph, staged[0], bandwidth).compute_counts
-        regions.sort(key=lambda r: -sum((counts[v] - 1) * graph.nodes[v].time for v in r))
+        regions.sort(key=lambda r: sum((counts[v] - 1) * graph.nodes[v].time for v in r))
+        regions = regions[-1:] + regions[:-1]  # the most recomputed first, then the others from the least
         tell("neighbourhood search")
         stale, searched, k = 0, 0, 0
         while stale < len(regions) and gap_open():
