@@ -157,13 +157,15 @@ REFINE_MAX_NODES = 320  # run the RINS-restricted fine ILP up to this many nodes
 FULL_REFINE_MAX_NODES = 100  # and the whole fine ILP (warm-started) up to this many
 RINS_EPS = 1e-6        # RINS fixes a binary where the LP is within this of the incumbent
 GAP_EPS = 1e-9         # a gap this small is met (the bound and the simulator round differently)
-SHIFT_SHARE = 0.35     # of the time left, for shift searches around the best schedule (step 0b)
+SHIFT_SHARE = 0.2      # of the time left, for shift searches around the best schedule (step 0b; 0.35 until session 9)
 SHIFT_ROUNDS = 4       # at most this many, each around the last one's schedule
 INSTANT_SHARE = 0.85   # of the time left, for the instant IP (step 0c)
 INSTANT_HIGHS_SHARE = 0.45  # of the time left, for the instant IP on HiGHS when the neighbourhood search follows
-LNS_SHARE = 0.85       # of the time left after step 0c, for the neighbourhood search (step 0d)
+LNS_SHARE = 0.95       # of the time left after step 0c, for the neighbourhood search (step 0d; 0.85 until session 9:
+#                        where it runs, the coarse ILP and RINS after it have not given a zoo graph its plan)
 LNS_PARTS = 3          # regions it frees one at a time
-LNS_REGION_S = 30.0    # at most this long on one region (ResNet-50 at 0.3x: 15 s finds nothing in layer1, 30 s does)
+LNS_REGION_S = 40.0    # at most this long on one region (ResNet-50 at 0.3x: 15 s finds nothing in layer1, 30 s does;
+#                        layer2 from the 1.2571 plan: 30 s give a plan that peaks over, 40 s give 1.2494)
 LNS_MIN_S = 5.0        # and at least this long
 INSTANT_MAX_VARS = 40_000  # and only with at most this many P and N variables (GPT-2 d3, 46k: no root LP in 50 s)
 WORKER_SHARE = 0.9     # with threads >= 2: of the time left after step 0, for the instant IP in a worker process
