@@ -43,13 +43,14 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    it, and solve (HiGHS when installed) for up to `LNS_REGION_S`; the region the plan
    recomputes most goes first, then the others from the least recomputed (little to rearrange:
    HiGHS settles them quickly, and what they change frees memory for the costly ones), and the
-   regions take turns while `LNS_SHARE` of the time lasts and one of them still improves.  The plans it finds are simulated like any other (they can
-   peak above the budget inside a stage); when a region's plan is better but does not fit, the
-   same region is solved again in the instant IP with strict moments (rebuilds kept to their
-   instant count at later rebuilds: a plan model, not a relaxation).  ResNet-50 d2 at 0.3x: the
-   stem and layer1 freed, 30 s: 1.2743 -> 1.2605, all three regions in turn twice (141 s)
-   1.2494; U-Net d3 at 0.3x (whose plain plans overflow at rebuilt concatenations): strict,
-   1.3123 -> 1.3081 in 4 s.
+   regions take turns while `LNS_SHARE` of the time lasts and one of them still improves.  The
+   plans it finds are simulated like any other (they can peak above the budget inside a
+   stage); when a region's plan is better but does not fit, the same region is solved again in
+   the instant IP with strict moments (rebuilds kept to their instant count at later rebuilds:
+   a plan model, not a relaxation).  ResNet-50 d2 at 0.3x: the stem and layer1 freed, 30 s:
+   1.2743 -> 1.2605; then layers 3-4 (10 s) 1.2571 and layer2 1.2494 (72 s in all; in the
+   old order, layer2 before layers 3-4, 134 s); U-Net d3 at 0.3x (whose plain plans overflow
+   at rebuilt concatenations): strict, 1.3123 -> 1.3081 in 4 s.
 1. Coarsen (`choose_groups`, `fit_groups`, `coarsen`).  The node ids 0..n-1 are cut into
    contiguous runs of one kind (forward runs, the loss, backward runs); each run becomes one
    node of a quotient graph: time = sum of its members' times, bytes = sum of their bytes,
