@@ -547,20 +547,21 @@ def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, s
     `SPLIT_SHARE` of it, or `SPLIT_MIN_S` up to 60 % of it.  Returns `instant_ip.solve`'s dict
     with "split": `split_bound`'s dict or None."""
     t0 = _time.perf_counter()
-    split = not swap and bool(instant_ip.split_candidates(graph, budget_bytes))
-    first = time_limit if time_limit is None or not split else \
+    cuts = [] if swap else instant_ip.split_candidates(graph, budget_bytes)
+    first = time_limit if time_limit is None or not cuts else \
         max(1.0, time_limit - max(SPLIT_SHARE * time_limit, min(SPLIT_MIN_S, 0.6 * time_limit)))
     out = instant_ip.solve(graph, budget_bytes, swap=swap, threads=threads, backend=backend, time_limit=first,
                            **options)
     out["split"] = None
-    if split and not out["proven"] and not out["infeasible"]:
+    if cuts and not out["proven"] and not out["infeasible"]:
         rest = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
-        out["split"] = instant_ip.split_bound(graph, budget_bytes, threads=threads, backend=backend, time_limit=rest)
+        out["split"] = instant_ip.split_bound(graph, budget_bytes, threads=threads, backend=backend, time_limit=rest,
+                                              cuts=cuts)
     return out
 
 
 def _worker_main(task: str, result: str) -> None:
-    """The worker process's body (`python -c`): `instant_ip.solve` on the pickled (graph, budget,
+    """The worker process's body (`python -c`): `instant_step` on the pickled (graph, budget,
     options) in `task`, its result dict (or {"error": ...}) pickled to `result`."""
     try:
         with open(task, "rb") as fh:
@@ -583,7 +584,7 @@ class InstantWorker:
     "spawn" re-imports the caller's main script (a user's script without a `__main__` guard
     would run again, or fail), and "fork" copies a process whose solver threads may hold locks.
     The task and the result travel as pickles in a temporary folder.  `poll(wait)` returns
-    `instant_ip.solve`'s dict once the worker has ended ({"error": ...} when it failed or died),
+    `instant_step`'s dict once the worker has ended ({"error": ...} when it failed or died),
     None before; `close()` stops the process and removes the folder."""
 
     def __init__(self, graph: Graph, budget_bytes: int, time_limit: float | None, **options) -> None:
@@ -878,8 +879,8 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
 
     # 0d. neighbourhood search in the instant IP around the best plan: one region of forward
     # values free (instant_ip.neighbourhoods; the one the plan recomputes most, then the others
-    # from the least recomputed), the rest
-    # fixed to the plan, started from it; again around each improvement while the share lasts
+    # from the least recomputed), the rest fixed to the plan, started from it; again around each
+    # improvement while the share lasts
     if run_instant and not swap and gap_open() and staged[0] is not None \
             and (left() is None or left() > 2 * LNS_MIN_S):
         until = None if limit is None else _time.perf_counter() + LNS_SHARE * left()

@@ -111,6 +111,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time as _time
 from dataclasses import dataclass, field
 
 import pulp
@@ -341,7 +342,6 @@ def split_bound(graph: Graph, budget_bytes: int, *, time_limit: float | None = 3
     so far that are still unproven are solved again with the other half (from scratch; each
     window keeps its better bound); the first window (from 0 to the first candidate) gets what
     is left, and when it is proven early, the best cuts' unproven windows get the rest."""
-    import time as _time
     points = sorted(set(cuts)) if cuts is not None else split_candidates(graph, budget_bytes)
     if not points:
         return None

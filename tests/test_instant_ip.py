@@ -340,7 +340,7 @@ def test_split_candidates_are_tight_backward_instants():
     cap = budget - g.fixed_bytes
     forced = instant_ip.forced_loads(g)
     cands = instant_ip.split_candidates(g, budget)
-    assert cands == sorted(cands) and len(cands) <= instant_ip.SPLIT_MOST
+    assert cands and cands == sorted(cands) and len(cands) <= instant_ip.SPLIT_MOST
     assert all(g.nodes[t].kind == "backward" and cap - forced[t] <= instant_ip.SPLIT_ROOM * cap for t in cands)
     others = [cap - forced[t] for t, v in enumerate(g.nodes) if v.kind == "backward" and t not in cands
               and 0 < t < g.n - 1]
