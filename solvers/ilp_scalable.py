@@ -43,14 +43,21 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    it, and solve (HiGHS when installed) for up to `LNS_REGION_S`; the region the plan
    recomputes most goes first, then the others from the least recomputed (little to rearrange:
    HiGHS settles them quickly, and what they change frees memory for the costly ones), and the
-   regions take turns while `LNS_SHARE` of the time lasts and one of them still improves.  The
-   plans it finds are simulated like any other (they can peak above the budget inside a
-   stage); when a region's plan is better but does not fit, the same region is solved again in
-   the instant IP with strict moments (rebuilds kept to their instant count at later rebuilds:
-   a plan model, not a relaxation).  ResNet-50 d2 at 0.3x: the stem and layer1 freed, 30 s:
-   1.2743 -> 1.2605; then layers 3-4 (10 s) 1.2571 and layer2 1.2494 (72 s in all; in the
-   old order, layer2 before layers 3-4, 134 s); U-Net d3 at 0.3x (whose plain plans overflow
-   at rebuilt concatenations): strict, 1.3123 -> 1.3081 in 4 s.
+   regions take turns, then the time windows (`instant_ip.time_windows`: every value free in a
+   run of instants, the run the plan recomputes most in first), while `LNS_SHARE` of the time
+   lasts and one of them still improves.  The plans it finds are simulated like any other
+   (they can peak above the budget inside a stage); one that does not fit in id order is
+   offered in the best rebuild order `stage_order` finds inside the stages that peak over (the
+   same computes, the same time: a bare op list).  When no order fits some stages, the same
+   neighbourhood is solved again with rebuild-moment rows in those intervals (instant_ip
+   "Rebuild moments on demand"), strict rows where they overflow again; the intervals stay
+   in the model for the later neighbourhoods.  ResNet-50 d2 at 0.3x: the stem and layer1
+   freed, 30 s: 1.2743 -> 1.2605; then layers 3-4 (10 s) 1.2571 and layer2 1.2494 (72 s in
+   all; in the old order, layer2 before layers 3-4, 134 s).  U-Net d3 at 0.3x, whose plain
+   plans overflow at rebuilt concatenations: the decoder's region 1.3123 -> 1.2849 in another
+   rebuild order (session 9, strict rows everywhere: 1.3081), then that region with rows at
+   stages 70, 78, 82 and 86 and the window (64, 90] 1.2808 (1.3081 -> 1.2808, 7.3 % from the
+   bound, in the 120 s run).
 1. Coarsen (`choose_groups`, `fit_groups`, `coarsen`).  The node ids 0..n-1 are cut into
    contiguous runs of one kind (forward runs, the loss, backward runs); each run becomes one
    node of a quotient graph: time = sum of its members' times, bytes = sum of their bytes,
@@ -144,7 +151,7 @@ from remat.graph import Graph, Node
 from remat.schedule import Schedule, Stage
 from remat.simulate import simulate
 
-from . import griewank, ilp, instant_ip, register
+from . import griewank, ilp, instant_ip, register, stage_order
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +181,25 @@ WORKER_START_S = 3.0   # what starting the worker (a fresh interpreter, imports,
 WORKER_MAX_VARS = 60_000  # the worker's instant IP may be larger: it has nearly all the time
 SPLIT_SHARE = 0.35     # of step 0c's time, for the split bound after the instant IP (where the graph has tight instants),
 SPLIT_MIN_S = 25.0     # and at least this long, up to 60 % of the step (its first window needs a root LP and cuts)
+
+
+def _recompute_in(graph: Graph, schedule: Schedule, window: tuple[int, int]) -> float:
+    """Seconds a schedule spends recomputing between instants a and b (the intervals a+1..b;
+    a recomputation belongs to the interval of the next first compute)."""
+    a, b = window
+    seen: set[int] = set()
+    spent, pending = 0.0, 0.0
+    for op in schedule.ops:
+        if op.op != "compute":
+            continue
+        if op.node in seen:
+            pending += graph.nodes[op.node].time
+            continue
+        seen.add(op.node)
+        if a < op.node <= b:
+            spent += pending
+        pending = 0.0
+    return spent
 
 
 # ---- coarsening -------------------------------------------------------------------------------
@@ -718,6 +744,8 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
     notes: dict = {}
     staged: list[Schedule | None] = [None]  # the best schedule with stage matrices
     staged_time = [math.inf]
+    ip_start: list[Schedule | None] = [None]  # the best schedule that maps onto the instant IP (stages, or
+    ip_start_time = [math.inf]                  # an op list whose stages were reordered)
 
     def tell(phase: str, incumbent: float | None = None, lb: float | None = None) -> None:
         if progress is None:
@@ -732,6 +760,15 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
         if sched is None:
             return
         res = simulate(graph, sched, bandwidth)
+        maps = sched.stages is not None  # onto the instant IP (a start for its searches)
+        if res.valid and res.peak_bytes > budget_bytes and not swap:
+            # the instant IP's plans ignore memory inside a stage: another rebuild order in the
+            # stages that peak over often fits (stage_order)
+            ordered = stage_order.lower_peak(graph, sched, budget_bytes)
+            res_o = simulate(graph, ordered, bandwidth) if ordered is not None else None
+            if res_o is not None and res_o.valid and res_o.peak_bytes <= budget_bytes:
+                log.info("ilp-scalable: the %s schedule fits with another rebuild order inside its stages", source)
+                sched, res, source, maps = ordered, res_o, source + " (rebuild order)", True
         if not res.valid or res.peak_bytes > budget_bytes:
             # a DTR cast may not fit, nor the instant IP's plan (it ignores memory inside a stage)
             say = log.debug if source.startswith(("baseline", "instant IP")) else log.warning
@@ -740,6 +777,8 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
             return
         if sched.stages is not None and res.time < staged_time[0] * (1 - 1e-12):
             staged[0], staged_time[0] = sched, res.time  # what can seed the fine ILP
+        if maps and res.time < ip_start_time[0] * (1 - 1e-12):
+            ip_start[0], ip_start_time[0] = sched, res.time  # what can seed the instant IP
         if res.time < best_time * (1 - 1e-12):
             best, best_time, best_from = sched, res.time, source
             log.info("ilp-scalable: incumbent %.6g from %s (%.1f s)", res.time, source, _time.perf_counter() - t0)
@@ -835,7 +874,7 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
         limit_w = ilp.INSTANT_CAP_S if limit is None else max(1.0, WORKER_SHARE * left() - WORKER_START_S)
         try:
             workers.append(InstantWorker(graph, budget_bytes, limit_w, swap=swap, bandwidth=bandwidth, threads=1,
-                                         start=staged[0] if staged[0] is not None else best, backend=ip_backend))
+                                         start=ip_start[0] if ip_start[0] is not None else best, backend=ip_backend))
         except OSError as e:  # no interpreter to start (an embedded Python): step 0c runs in line
             log.warning("ilp-scalable: cannot start the instant IP's worker (%s); solving it in line", e)
         else:
@@ -872,7 +911,7 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
             max(1.0, 0.8 * share(INSTANT_HIGHS_SHARE if ip_backend == "highs" and not swap else INSTANT_SHARE) - 1.0)
         tell(source_ip)
         use_instant(instant_step(graph, budget_bytes, swap=swap, bandwidth=bandwidth, threads=threads,
-                                 time_limit=limit_ip, start=staged[0] if staged[0] is not None else best,
+                                 time_limit=limit_ip, start=ip_start[0] if ip_start[0] is not None else best,
                                  progress=(lambda d: tell(source_ip, None, max(bound, d["lower_bound"] or 0.0)))
                                  if progress else None, backend=ip_backend), source_ip)
     collect()
@@ -881,45 +920,57 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
     # values free (instant_ip.neighbourhoods; the one the plan recomputes most, then the others
     # from the least recomputed), the rest fixed to the plan, started from it; again around each
     # improvement while the share lasts
-    if run_instant and not swap and gap_open() and staged[0] is not None \
+    if run_instant and not swap and gap_open() and ip_start[0] is not None \
             and (left() is None or left() > 2 * LNS_MIN_S):
         until = None if limit is None else _time.perf_counter() + LNS_SHARE * left()
         regions = instant_ip.neighbourhoods(graph, LNS_PARTS)
-        counts = simulate(graph, staged[0], bandwidth).compute_counts
+        counts = simulate(graph, ip_start[0], bandwidth).compute_counts
         regions.sort(key=lambda r: sum((counts[v] - 1) * graph.nodes[v].time for v in r))
         regions = regions[-1:] + regions[:-1]  # the most recomputed first, then the others from the least
+        # then time windows (every value free in a run of instants), the most recomputed first
+        windows = instant_ip.time_windows(graph, LNS_PARTS)
+        windows.sort(key=lambda w: -_recompute_in(graph, ip_start[0], w))
+        hoods = [{"region": r} for r in regions] + [{"instants": w} for w in windows]
         tell("neighbourhood search")
         stale, searched, k = 0, 0, 0
-        while stale < len(regions) and gap_open():
+        moments: dict[int, bool] = {}  # intervals whose rebuilds overflowed in every order: rows there from then on
+        while stale < len(hoods) and gap_open():
             collect()  # (a worker's plan, or a bound that closes the gap)
             if not gap_open():
                 break
             rest = None if until is None else until - _time.perf_counter()
             if rest is not None and rest < LNS_MIN_S:
                 break
-            region = regions[k % len(regions)]
+            hood = hoods[k % len(hoods)]
             k += 1
             before = best_time
             try:
-                out = instant_ip.solve(graph, budget_bytes, threads=threads, start=staged[0], region=region,
+                out = instant_ip.solve(graph, budget_bytes, threads=threads, start=ip_start[0], **hood,
                                        time_limit=None if rest is None else max(LNS_MIN_S, min(rest, LNS_REGION_S)),
-                                       backend=ip_backend)
+                                       backend=ip_backend, moments=dict(moments) or None)
             except SolverError as e:
                 log.info("ilp-scalable: neighbourhood search stopped (%s)", e)
                 break
             searched += 1
             offer(out["schedule"], "neighbourhood search")
-            rest = None if until is None else until - _time.perf_counter()
-            if overflowed(out, before) and (rest is None or rest >= LNS_MIN_S):
-                # its plan peaks above the budget inside a stage: the same region in the model
-                # that also counts the rebuilds kept to their instant (instant_ip "Strict moments")
+            while overflowed(out, before) and out["schedule"] is not None:
+                # its plan peaks above the budget inside some stages in every rebuild order tried:
+                # the same neighbourhood again with rebuild-moment rows in those intervals (instant_ip
+                # "Rebuild moments on demand"), strict ones where the rows alone did not keep it in
+                _, over = stage_order.reorder(graph, out["schedule"], budget_bytes)
+                rest = None if until is None else until - _time.perf_counter()
+                if not over or all(moments.get(t) for t in over) or (rest is not None and rest < LNS_MIN_S):
+                    break
+                moments.update({t: t in moments for t in over})
+                log.info("ilp-scalable: neighbourhood %s again with rebuild moments at %s", hood, moments)
                 try:
-                    out = instant_ip.solve(graph, budget_bytes, threads=threads, start=staged[0], region=region,
+                    out = instant_ip.solve(graph, budget_bytes, threads=threads, start=ip_start[0], **hood,
                                            time_limit=None if rest is None else min(rest, LNS_REGION_S),
-                                           backend=ip_backend, strict=True)
-                    offer(out["schedule"], "neighbourhood search (strict moments)")
+                                           backend=ip_backend, moments=dict(moments))
                 except SolverError as e:
-                    log.info("ilp-scalable: strict neighbourhood search failed (%s)", e)
+                    log.info("ilp-scalable: neighbourhood search with rebuild moments failed (%s)", e)
+                    break
+                offer(out["schedule"], "neighbourhood search (rebuild moments)")
             stale = 0 if best_time < before * (1 - 1e-9) else stale + 1
         notes["neighbourhoods"] = searched
 

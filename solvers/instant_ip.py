@@ -84,6 +84,20 @@ instant is part of what tips that moment over the budget).  A schedule that rebu
 order need not satisfy these rows, so the model is no relaxation; the scalable mode's
 neighbourhood search uses it where the plain model's plan peaks above the budget.
 
+Rebuild moments on demand (`moments`)
+-------------------------------------
+The rows above may sit in some intervals only (`build(moments={t: strict?})`): without strict
+rows the model is still a relaxation (each interval's rows hold for every schedule on their
+own), and it is the plain model's size but for those intervals.  A plan of the plain model
+that overflows goes first to `stage_order` (another rebuild order inside the stages that peak
+over); the stages where no order fits get rows, then strict rows if they overflow again.
+random_layered(20, seed 2) at 0.6x: 157 (overflows at stage 27), rows at 27: 158 (at 32), rows
+at 27 and 32: 159 (at 29), and with 29 too 159 with a plan that fits: the exact optimum, proven
+by a relaxation of three intervals' rows (tested).  A start plan that fits only in another
+order may exceed the rows where it rebuilds; `loosen_unmet_moments` raises those rows to its
+level so that it stays a solution (then they are no relaxation: a neighbourhood search's
+bound is dropped anyway).
+
 Split at tight instants (`split_bound`, recompute only)
 -----------------------------------------------------
 Cut the instants at s_1 < ... < s_k and give each window (s_i, s_{i+1}] its own model: the
@@ -194,7 +208,8 @@ def size(graph: Graph) -> int:
 
 
 def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: float | None = None,
-          in_stage: bool = False, strict: bool = False, window: tuple[int, int] | None = None) -> InstantModel | None:
+          in_stage: bool = False, strict: bool = False, window: tuple[int, int] | None = None,
+          moments: dict[int, bool] | None = None) -> InstantModel | None:
     """The model of the module docstring (with `in_stage`, its held-through variables and
     rebuild-moment rows; with `strict`, those and the kept rebuilds of "Strict moments"); None
     when some instant cannot hold what it must.
@@ -202,8 +217,13 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     With `window` = (a, b) (recompute only), the model of instants a..b alone ("Split at tight
     instants"): P at instants a..b, N in the intervals a+1..b, what is resident at instant a
     free (it must only hold a's inputs and fit), and the objective is the recomputation in the
-    window alone, without the one pass over the graph."""
-    in_stage = in_stage or strict
+    window alone, without the one pass over the graph.
+
+    With `moments` (interval -> strict?), the rebuild-moment rows only in those intervals, strict
+    where it says so ("Rebuild moments on demand")."""
+    if moments is None and (in_stage or strict):
+        moments = {t: strict for t in range(graph.n)}
+    in_stage = bool(moments)
     if window is not None and (swap or in_stage):
         raise ValueError("instant IP: a window model is recompute-only and has no rebuild moments")
     first, last = window if window is not None else (0, graph.n - 1)
@@ -248,7 +268,7 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     for (t, v), p in m.P.items():
         if t == first and window is not None:
             continue  # (the window's first instant: its residents are free)
-        if t >= v + 2 and in_stage:
+        if t >= v + 2 and in_stage and t in moments:
             h = m.H[t, v] = pulp.LpVariable(f"H_{t}_{v}", 0, 1, pulp.LpBinary)
             prob.addConstraint(p <= h + back(t, v), f"keep_{t}_{v}")
             prob.addConstraint(h <= post(t - 1, v), f"held_{t}_{v}")
@@ -268,7 +288,7 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
             prob.addConstraint(pulp.lpSum((M[v] // unit) * m.P[t, v] for v in by_instant[t]) <= room // unit,
                                f"memory_{t}")
     if in_stage:
-        add_rebuild_moments(graph, m, cap, unit, strict)
+        add_rebuild_moments(graph, m, cap, unit, moments)
     base = graph.total_time / cu if window is None else 0.0
     recompute = pulp.lpSum((C[v] / cu) * x for (_, v), x in m.N.items())
     if swap:
@@ -282,24 +302,24 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     return m
 
 
-def add_rebuild_moments(graph: Graph, m: InstantModel, cap: int, unit: int, strict: bool = False) -> None:
-    """The `in_stage` rows (module docstring): per interval, the held-through values and the
-    largest rebuild moment fit beside the gradients alive across it; with `strict`, a moment
-    also holds the values rebuilt before it in the interval (in id order) and kept to its
-    instant."""
+def add_rebuild_moments(graph: Graph, m: InstantModel, cap: int, unit: int, moments: dict[int, bool]) -> None:
+    """The `in_stage` rows (module docstring) in the intervals `moments` names: the held-through
+    values and the largest rebuild moment fit beside the gradients alive across it; where
+    `moments` says strict, a moment also holds the values rebuilt before it in the interval (in
+    id order) and kept to its instant."""
     M, W = graph.sizes, [v.workspace_bytes for v in graph.nodes]
     load = interval_loads(graph)
     rebuilt: dict[int, list[int]] = {}
     for (t, v) in m.N:
-        rebuilt.setdefault(t, []).append(v)
+        if t in moments:
+            rebuilt.setdefault(t, []).append(v)
     held_at: dict[int, list[int]] = {}
     for (t, v) in m.H:
         held_at.setdefault(t, []).append(v)
-    if strict:
-        for (t, u), x in m.N.items():
-            if (t, u) in m.P:
-                k = m.K[t, u] = pulp.LpVariable(f"K_{t}_{u}", 0)
-                m.prob.addConstraint(k >= x + m.P[t, u] - 1, f"kept_{t}_{u}")
+    for (t, u), x in m.N.items():
+        if moments.get(t) and (t, u) in m.P:
+            k = m.K[t, u] = pulp.LpVariable(f"K_{t}_{u}", 0)
+            m.prob.addConstraint(k >= x + m.P[t, u] - 1, f"kept_{t}_{u}")
     for t, vs in rebuilt.items():
         Z = m.Z[t] = pulp.LpVariable(f"Z_{t}", 0)
         for v in vs:
@@ -312,6 +332,20 @@ def add_rebuild_moments(graph: Graph, m: InstantModel, cap: int, unit: int, stri
             m.moments.setdefault(t, []).append(f"moment_{t}_{v}")
         m.prob.addConstraint(pulp.lpSum((M[w] // unit) * m.H[t, w] for w in held_at.get(t, [])) + Z
                              <= (cap - load[t]) // unit, f"interval_{t}")
+
+
+def loosen_unmet_moments(m: InstantModel) -> list[int]:
+    """Raise the interval row of every interval whose rows the initial values violate (a start
+    plan that fits only in another rebuild order, `stage_order`) to the start's own level, so
+    that the start stays a solution and no plan rebuilds more there than it does; returns those
+    intervals."""
+    rows = m.prob.constraints
+    unmet = [t for t in m.moments if rows[f"interval_{t}"].value() > 1e-6]
+    for t in unmet:
+        rows[f"interval_{t}"].constant -= math.ceil(rows[f"interval_{t}"].value())
+    if unmet:
+        log.info("instant IP: rebuild-moment rows at %s raised to the start plan's level", unmet)
+    return unmet
 
 
 SPLIT_MOST = 5      # split candidates: at most this many backward instants,
@@ -464,6 +498,40 @@ def fix_outside(m: InstantModel, region: set[int]) -> None:
             x.lowBound = x.upBound = round(x.varValue or 0)
 
 
+def fix_outside_instants(m: InstantModel, window: tuple[int, int]) -> None:
+    """Fix every binary of an instant or interval outside (a, b] to its initial value
+    (`set_warm_start`)."""
+    a, b = window
+    for d in (m.P, m.N, m.SI, m.H):
+        for (t, _), x in d.items():
+            if not a < t <= b:
+                val = round(x.varValue or 0)
+                if (x.lowBound or 0) <= val:
+                    x.lowBound = x.upBound = val
+
+
+def time_windows(graph: Graph, parts: int = 3) -> list[tuple[int, int]]:
+    """Runs of instants (a, b] with about equal numbers of instant-IP variables, `parts` of
+    them, and the `parts` - 1 runs from the middle of one to the middle of the next: the time
+    windows a neighbourhood search frees one at a time (every value's P and N inside)."""
+    weight = [0] * graph.n
+    for v, hor in enumerate(horizons(graph)):
+        if graph.nodes[v].kind == "forward" and graph.nodes[v].bytes > 0:
+            for t in range(v + 1, hor + 1):
+                weight[t] += 1 + (t >= v + 2)
+    total = sum(weight) or 1
+    marks, acc = [], 0  # the instants where the running weight crosses k / (2 parts) of the total
+    for t, w in enumerate(weight):
+        acc += w
+        while len(marks) < 2 * parts - 1 and acc >= total * (len(marks) + 1) / (2 * parts):
+            marks.append(t)
+    ends = [-1] + marks[1::2] + [graph.n - 1]
+    mids = marks[0::2]
+    out = [(a, b) for a, b in zip(ends, ends[1:]) if b > a]
+    out += [(a, b) for a, b in zip(mids, mids[1:]) if b > a]
+    return list(dict.fromkeys(out))
+
+
 def neighbourhoods(graph: Graph, parts: int = 3) -> list[set[int]]:
     """Contiguous runs of forward nodes with about equal numbers of instant-IP variables, each
     ending at the articulation point nearest its balanced end where the graph has them: the
@@ -517,7 +585,8 @@ def schedule_from(graph: Graph, m: InstantModel) -> Schedule | None:
 def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: float | None = None,
           time_limit: float | None = 30.0, threads: int | None = None, start: Schedule | None = None,
           msg: bool = False, progress=None, in_stage: bool = False, backend: str = "cbc",
-          region: set[int] | None = None, strict: bool = False) -> dict:
+          region: set[int] | None = None, strict: bool = False, instants: tuple[int, int] | None = None,
+          moments: dict[int, bool] | None = None) -> dict:
     """Run CBC (or HiGHS) on the instant IP, from `start` when given.  Returns {"bound": seconds
     or None, "schedule": Schedule or None, "objective": seconds or None, "proven": bool,
     "infeasible": bool, "variables": int}.  The bound is valid for every schedule whose backward
@@ -526,18 +595,27 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
 
     With `region` (a set of forward nodes; needs a `start` that maps onto the model), every
     variable of a value outside it is fixed to `start`'s value: a neighbourhood search around
-    `start` (see `neighbourhoods`), whose bound is not the graph's (it is dropped).  `strict`
-    builds the model of "Strict moments" (a plan model, not a relaxation: its bound is dropped
-    too)."""
-    m = build(graph, budget_bytes, swap=swap, bandwidth=bandwidth, in_stage=in_stage, strict=strict)
+    `start` (see `neighbourhoods`), whose bound is not the graph's (it is dropped); with
+    `instants` = (a, b), every variable of an instant or interval outside (a, b]
+    (`time_windows`), likewise.  `strict` builds the model of "Strict moments" (a plan model,
+    not a relaxation: its bound is dropped too); `moments` (interval -> strict?) puts the
+    rebuild-moment rows only in those intervals (`build`; its bound is dropped where one is
+    strict)."""
+    m = build(graph, budget_bytes, swap=swap, bandwidth=bandwidth, in_stage=in_stage, strict=strict,
+              moments=moments)
+    strict = strict or any((moments or {}).values())
     if m is None:
         return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": True,
                 "variables": 0}
     warm = start is not None and set_warm_start(graph, m, start)
-    if region is not None:
+    loosened = loosen_unmet_moments(m) if warm and moments else []
+    if region is not None or instants is not None:
         if not warm:
             raise SolverError("instant IP: a neighbourhood search needs a start that maps onto the model")
-        fix_outside(m, region)
+        if region is not None:
+            fix_outside(m, region)
+        if instants is not None:
+            fix_outside_instants(m, instants)
     nvar = len(m.P) + len(m.N) + len(m.SI) + len(m.O) + len(m.H) + len(m.Z) + len(m.K)
     log.info("instant IP: %d variables, %d rows, warm start %s", nvar, len(m.prob.constraints), warm)
     try:
@@ -553,7 +631,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
         obj = out["objective"] * cu
         sched = schedule_from(graph, m)
     bound = out["bound"] * cu if out["bound"] is not None and not out["infeasible"] and region is None \
-        and not strict else None
+        and instants is None and not strict and not loosened else None
     if bound is not None:
         bound = max(bound, graph.total_time)
     return {"bound": bound, "schedule": sched, "objective": obj, "proven": bool(out["proven"]),
