@@ -80,8 +80,9 @@ next; a fifth of the time limit).  Without swap, the instant IP (solvers/instant
 relaxation kept only at first computes) runs first for `INSTANT_SHARE` of the limit: when its
 optimal plan fits the budget inside every stage too, that plan is returned as proven optimal;
 otherwise its plan may become the warm start and its bound joins the report's.  When it proved
-an optimum whose plan does not fit, the same model with rebuild moments (`in_stage=True`) runs
-next, for `INSTAGE_SHARE` of the time left.  When CBC leaves the instant IP unproven and
+an optimum whose plan fits in no rebuild order inside its stages (`stage_order`; one that fits
+in another order is returned, proven), rebuild-moment rows go into the stages that overflow, and
+again while new ones do (`instant_ip.solve_on_demand`), for `INSTAGE_SHARE` of the time left.  When CBC leaves the instant IP unproven and
 HiGHS is installed, HiGHS solves it too (its cut loop often closes what CBC's branching does not;
 its plan is a candidate like CBC's).  The full model's CBC run is then stopped as soon as
 its incumbent meets the best of these bounds (`_run(stop_at=...)`).  On a chain
@@ -471,7 +472,7 @@ def best_baseline(graph: Graph, budget_bytes: int, bandwidth: float | None = Non
 SEED_SLACK = (0.0, 0.125, 0.25)  # budgets (activation bytes x (1 + slack)) the seeds of shift_search run at
 SHIFTS = (0, 1)                  # stages a seed's recomputation may move by
 INSTANT_SHARE = 0.4  # of the time limit, for the instant IP before the full model
-INSTAGE_SHARE = 0.5  # of the time left, for the instant IP with rebuild moments after it
+INSTAGE_SHARE = 0.5  # of the time left, for the instant IP with rebuild moments on demand after it
 INSTANT_CAP_S = 60.0  # its limit when the call has none
 WARM_SEARCH_SHARE = 0.2          # of the time limit, spent on shift searches for the warm start
 SHIFT_SEARCH_S = 10.0            # per shift search when the solve has no time limit
@@ -935,31 +936,36 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     if use_instant_ip and not swap and not recompute_backward:
         # the instant IP (solvers/instant_ip.py): a relaxation a fifth the size that sees
         # recomputation cascades; its plan often fits, and then its proof ends the search.  When
-        # it proves an optimum that peaks above the budget inside a stage, the same model with
-        # rebuild moments (`in_stage`) comes next: often the exact optimum (random_layered(20,
-        # seed 2) at 0.6x: 1.2520 proven in 7 s, where the plain model stops at 1.2362)
+        # it proves an optimum that peaks above the budget inside a stage in every rebuild order,
+        # rebuild-moment rows in those stages come next, again while new ones overflow (instant_ip
+        # "Rebuild moments on demand"): often the exact optimum (random_layered(20, seed 2) at
+        # 0.6x: 1.2520, proven in 11 s with rows at three stages, where the plain model stops at 1.2362)
         from . import instant_ip
         phases = [("instant IP", False, "cbc"), ("instant IP (HiGHS)", False, "highs"),
-                  ("instant IP, rebuild moments", True, "cbc")]
+                  ("instant IP, rebuild moments on demand", True, "highs" if highs_available() else "cbc")]
         for phase, in_stage, solver in phases:
             left = None if time_limit is None else time_limit - (_time.perf_counter() - t0)
-            if solver == "highs":
+            if in_stage:
+                if not (instant["proven"] and instant["schedule"] is not None) or (left is not None and left < 4.0):
+                    break
+                limit_ip = INSTANT_CAP_S if left is None else INSTAGE_SHARE * left
+            elif solver == "highs":
                 # HiGHS's cuts often prove what CBC's do not (random_layered(49) at 0.8x: 1.1272
                 # proven in 30 s; CBC 1.1200): its bound, and its plan if that fits
                 if instant["proven"] or instant["infeasible"] or not highs_available() \
                         or (left is not None and left < 8.0):
                     continue
                 limit_ip = INSTANT_CAP_S if left is None else min(INSTANT_SHARE * time_limit, 0.5 * left)
-            elif in_stage:
-                if not (instant["proven"] and instant["schedule"] is not None) or (left is not None and left < 4.0):
-                    break
-                limit_ip = INSTANT_CAP_S if left is None else INSTAGE_SHARE * left
             else:
                 limit_ip = INSTANT_CAP_S if time_limit is None else max(1.0, INSTANT_SHARE * time_limit)
-            instant = instant_ip.solve(graph, budget_bytes, time_limit=limit_ip, threads=threads, start=warm,
-                                       in_stage=in_stage, backend=solver,
-                                       progress=(lambda d, phase=phase: progress({**d, "incumbent": None, "gap": None,
-                                                                                  "phase": phase})) if progress else None)
+            if in_stage:  # rows where the proven optimum's plan overflows in every rebuild order, and again
+                instant = instant_ip.solve_on_demand(graph, budget_bytes, instant, time_limit=limit_ip,
+                                                     threads=threads, start=warm, backend=solver)
+            else:
+                instant = instant_ip.solve(graph, budget_bytes, time_limit=limit_ip, threads=threads, start=warm,
+                                           backend=solver, progress=(lambda d, phase=phase: progress(
+                                               {**d, "incumbent": None, "gap": None, "phase": phase}))
+                                           if progress else None)
             if not instant["infeasible"]:
                 instant_bounds.append((instant["bound"], phase))
             plan_ip = instant["schedule"]

@@ -348,6 +348,36 @@ def loosen_unmet_moments(m: InstantModel) -> list[int]:
     return unmet
 
 
+def solve_on_demand(graph: Graph, budget_bytes: int, first: dict, *, time_limit: float | None = 30.0,
+                    threads: int | None = None, start: Schedule | None = None, backend: str = "cbc",
+                    rounds: int = 12) -> dict:
+    """"Rebuild moments on demand" from a proven optimum (`first`, a `solve` result) whose plan
+    overflows inside some stages in every rebuild order (`stage_order.reorder`): solve again with
+    rows (not strict: each round is a relaxation and its bound holds) in those stages and every
+    stage of the rounds before, until a plan fits in some order, a round is not proven, no new
+    stage overflows, or the time or `rounds` run out.  Returns the last round's result with
+    "moments" (the intervals with rows) and "bound" the best of the rounds'."""
+    from . import stage_order
+    t0 = _time.perf_counter()
+    out, moments = first, {}
+    best = first.get("bound")
+    for _ in range(rounds):
+        if not out["proven"] or out["schedule"] is None:
+            break
+        _, over = stage_order.reorder(graph, out["schedule"], budget_bytes)
+        new = [t for t in over if t not in moments]
+        left = None if time_limit is None else time_limit - (_time.perf_counter() - t0)
+        if not new or (left is not None and left < 1.0):
+            break
+        moments.update({t: False for t in new})
+        log.info("instant IP: again with rebuild-moment rows at %s", sorted(moments))
+        out = solve(graph, budget_bytes, time_limit=left, threads=threads, start=start, backend=backend,
+                    moments=dict(moments))
+        if out["bound"] is not None:
+            best = out["bound"] if best is None else max(best, out["bound"])
+    return {**out, "bound": best, "moments": sorted(moments)}
+
+
 SPLIT_MOST = 5      # split candidates: at most this many backward instants,
 SPLIT_ROOM = 0.3    # each with at most this share of the budget's room beyond what it must hold
 SPLIT_FIRST = 0.6   # of split_bound's time, what the first window (the largest) may take at most
