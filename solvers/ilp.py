@@ -82,8 +82,8 @@ optimal plan fits the budget inside every stage too, that plan is returned as pr
 otherwise its plan may become the warm start and its bound joins the report's.  When it proved
 an optimum whose plan fits in no rebuild order inside its stages (`stage_order`; one that fits
 in another order is returned, proven), rebuild-moment rows go into the stages that overflow, and
-again while new ones do (`instant_ip.solve_on_demand`), for `INSTAGE_SHARE` of the time left.  When CBC leaves the instant IP unproven and
-HiGHS is installed, HiGHS solves it too (its cut loop often closes what CBC's branching does not;
+again while new ones do (`instant_ip.solve_on_demand`), for `INSTAGE_SHARE` of the time left.
+When CBC leaves the instant IP unproven and HiGHS is installed, HiGHS solves it too (its cut loop often closes what CBC's branching does not;
 its plan is a candidate like CBC's).  The full model's CBC run is then stopped as soon as
 its incumbent meets the best of these bounds (`_run(stop_at=...)`).  On a chain
 (recompute only), revolve's count is a bound too (`griewank.chain_bound`: Griewank's theorem on
