@@ -131,3 +131,17 @@ def test_rebuild_moments_on_demand_reach_the_exact_optimum_with_a_proof():
     instant_ip.set_warm_start(g, m, instant_ip.solve(g, budget, time_limit=30, threads=1, backend="highs")["schedule"])
     assert m.prob.constraints["interval_27"].value() > 0
     assert instant_ip.loosen_unmet_moments(m) == [27] and m.prob.constraints["interval_27"].value() <= 0
+
+
+def test_recompute_time_by_window_adds_up_to_the_schedules_recomputation():
+    from remat.solvers.ilp_scalable import _recompute_in
+    g = unet(5)
+    budget = parse_budget("0.6x", g)
+    sched = ilp.best_baseline(g, budget)
+    extra = simulate(g, sched).compute_time - g.total_time
+    assert extra > 0
+    parts = instant_ip.time_windows(g, 3)[:3]
+    assert sum(_recompute_in(g, sched, w) for w in parts) == pytest.approx(extra)
+    # the rebuilds before a node's first compute belong to the interval that ends at it
+    first = next(t for t in range(g.n) if _recompute_in(g, sched, (t - 1, t)) > 0)
+    assert _recompute_in(g, sched, (-1, first - 1)) == 0
