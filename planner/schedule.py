@@ -176,14 +176,18 @@ def _add_with_deps(graph: Graph, v: int, resident: set[int], r: set[int]) -> Non
         stack.extend(u for u in graph.preds[x] if u not in resident and u not in r)
 
 
-def ops_from_stages(graph: Graph, stages: Sequence[Stage]) -> list[Op]:
-    """The op list that stage matrices imply (module docstring, steps 1-4)."""
+def ops_from_stages(graph: Graph, stages: Sequence[Stage],
+                    orders: Sequence[Sequence[int] | None] | None = None) -> list[Op]:
+    """The op list that stage matrices imply (module docstring, steps 1-4).  `orders[t]`, where
+    given, runs stage t's computes in that (topological) order instead of ascending, with the
+    same frees after each last reader (`solvers/stage_order.py`); the result is then a bare op
+    list, not the stages' own."""
     ops: list[Op] = []
     T = len(stages)
     in_edges = [sorted(set(p)) for p in graph.preds]
     for t, st in enumerate(stages):
         nxt = set(stages[t + 1].keep) if t + 1 < T else set()
-        comp = sorted(st.compute)
+        comp = list(orders[t]) if orders is not None and orders[t] is not None else sorted(st.compute)
         last_reader: dict[int, int] = {}
         for k in comp:
             for i in in_edges[k]:

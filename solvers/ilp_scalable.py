@@ -755,17 +755,21 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
         progress({"phase": phase, "elapsed": _time.perf_counter() - t0, "incumbent": inc, "lower_bound": b,
                   "gap": _gap(inc, b) if inc is not None else None})
 
-    def offer(sched: Schedule | None, source: str) -> None:
+    def offer(sched: Schedule | None, source: str) -> list[int]:
+        """Keep `sched` if it fits and is the best; returns the stages where it peaks above the
+        budget in every rebuild order tried (`stage_order.reorder`), [] when it fits or was
+        not reordered."""
         nonlocal best, best_time, best_from
         if sched is None:
-            return
+            return []
         res = simulate(graph, sched, bandwidth)
         maps = sched.stages is not None  # onto the instant IP (a start for its searches)
+        over: list[int] = []
         if res.valid and res.peak_bytes > budget_bytes and not swap:
             # the instant IP's plans ignore memory inside a stage: another rebuild order in the
             # stages that peak over often fits (stage_order)
-            ordered = stage_order.lower_peak(graph, sched, budget_bytes)
-            res_o = simulate(graph, ordered, bandwidth) if ordered is not None else None
+            ordered, over = stage_order.reorder(graph, sched, budget_bytes)
+            res_o = simulate(graph, ordered, bandwidth) if ordered is not None and not over else None
             if res_o is not None and res_o.valid and res_o.peak_bytes <= budget_bytes:
                 log.info("ilp-scalable: the %s schedule fits with another rebuild order inside its stages", source)
                 sched, res, source, maps = ordered, res_o, source + " (rebuild order)", True
@@ -774,7 +778,7 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
             say = log.debug if source.startswith(("baseline", "instant IP")) else log.warning
             say("ilp-scalable: the %s schedule does not fit (%s; peak %d > %d); dropped",
                 source, res.violation, res.peak_bytes, budget_bytes)
-            return
+            return over
         if sched.stages is not None and res.time < staged_time[0] * (1 - 1e-12):
             staged[0], staged_time[0] = sched, res.time  # what can seed the fine ILP
         if maps and res.time < ip_start_time[0] * (1 - 1e-12):
@@ -783,6 +787,7 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
             best, best_time, best_from = sched, res.time, source
             log.info("ilp-scalable: incumbent %.6g from %s (%.1f s)", res.time, source, _time.perf_counter() - t0)
             tell(source)
+        return []
 
     def gap_open() -> bool:  # is the incumbent still further from the bound than asked?
         return (_gap(best_time, bound) or 0) > max(gap, GAP_EPS)
@@ -952,12 +957,11 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
                 log.info("ilp-scalable: neighbourhood search stopped (%s)", e)
                 break
             searched += 1
-            offer(out["schedule"], "neighbourhood search")
-            while overflowed(out, before) and out["schedule"] is not None:
+            over = offer(out["schedule"], "neighbourhood search")
+            while overflowed(out, before):
                 # its plan peaks above the budget inside some stages in every rebuild order tried:
                 # the same neighbourhood again with rebuild-moment rows in those intervals (instant_ip
                 # "Rebuild moments on demand"), strict ones where the rows alone did not keep it in
-                _, over = stage_order.reorder(graph, out["schedule"], budget_bytes)
                 rest = None if until is None else until - _time.perf_counter()
                 if not over or all(moments.get(t) for t in over) or (rest is not None and rest < LNS_MIN_S):
                     break
@@ -970,7 +974,7 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
                 except SolverError as e:
                     log.info("ilp-scalable: neighbourhood search with rebuild moments failed (%s)", e)
                     break
-                offer(out["schedule"], "neighbourhood search (rebuild moments)")
+                over = offer(out["schedule"], "neighbourhood search (rebuild moments)")
             stale = 0 if best_time < before * (1 - 1e-9) else stale + 1
         notes["neighbourhoods"] = searched
 

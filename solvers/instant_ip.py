@@ -517,12 +517,7 @@ def set_warm_start(graph: Graph, m: InstantModel, schedule: Schedule) -> bool:
 
 def fix_outside(m: InstantModel, region: set[int]) -> None:
     """Fix every binary of a value outside `region` to its initial value (`set_warm_start`)."""
-    for d in (m.P, m.N, m.SI, m.H):
-        for (_, v), x in d.items():
-            if v not in region:
-                val = round(x.varValue or 0)
-                if (x.lowBound or 0) <= val:  # (an input of its instant stays at its lower bound 1)
-                    x.lowBound = x.upBound = val
+    _fix_unless(m, lambda t, v: v in region)
     for v, x in m.O.items():
         if v not in region:
             x.lowBound = x.upBound = round(x.varValue or 0)
@@ -532,11 +527,16 @@ def fix_outside_instants(m: InstantModel, window: tuple[int, int]) -> None:
     """Fix every binary of an instant or interval outside (a, b] to its initial value
     (`set_warm_start`)."""
     a, b = window
+    _fix_unless(m, lambda t, v: a < t <= b)
+
+
+def _fix_unless(m: InstantModel, free) -> None:
+    """Fix each P, N, SI and H at (t, v) to its initial value unless free(t, v)."""
     for d in (m.P, m.N, m.SI, m.H):
-        for (t, _), x in d.items():
-            if not a < t <= b:
+        for (t, v), x in d.items():
+            if not free(t, v):
                 val = round(x.varValue or 0)
-                if (x.lowBound or 0) <= val:
+                if (x.lowBound or 0) <= val:  # (an input of its instant stays at its lower bound 1)
                     x.lowBound = x.upBound = val
 
 

@@ -30,7 +30,7 @@ import random
 from typing import Iterator, Sequence
 
 from remat.graph import Graph
-from remat.schedule import Op, Schedule
+from remat.schedule import Schedule, ops_from_stages
 
 TRIES = 200  # random orders per stage that peaks above the budget in id order
 
@@ -74,12 +74,14 @@ def orders(graph: Graph, compute: Sequence[int], own: int, kept_after: set[int],
     M = graph.sizes
     users = {k: [j for j in rest if k in needs[j]] for k in comp}
 
+    reads: dict[int, int] = {}  # input -> the stage's computes that read it
+    for j in comp:
+        for i in set(graph.preds[j]):
+            reads[i] = reads.get(i, 0) + 1
+
     def build(pick) -> list[int]:
         waiting = {k: len(needs[k]) for k in rest}
-        readers = {}  # input -> reads still to come in the stage
-        for j in comp:
-            for i in set(graph.preds[j]):
-                readers[i] = readers.get(i, 0) + 1
+        readers = dict(reads)  # input -> reads still to come in the stage
         ready = [k for k in rest if not waiting[k]]
         order: list[int] = []
         while ready:
@@ -123,31 +125,23 @@ def reorder(graph: Graph, schedule: Schedule, budget_bytes: int,
     if stages is None or any(s.swap_out or s.swap_in or s.fetch for s in stages):
         return None, []
     cap = budget_bytes - graph.fixed_bytes
-    ops: list[Op] = []
+    chosen: list[list[int] | None] = []
     over: list[int] = []
     for t, st in enumerate(stages):
         resident = set(st.keep)
         kept_after = set(stages[t + 1].keep) if t + 1 < len(stages) else set()
         order = sorted(st.compute)
-        if t in order and stage_peak(graph, order, resident, kept_after) > cap:
-            best = None
-            many = tries if len(order) > 2 else 0
-            for o in orders(graph, st.compute, t, kept_after, many, seed=t):
-                p = stage_peak(graph, o, resident, kept_after)
-                if best is None or p < best[0]:
-                    best = (p, o)
-                if p <= cap:
-                    break
-            if best[0] > cap:
-                over.append(t)
-            order = best[1]
-        last = _last_readers(graph, order)
-        for k in order:
-            ops.append(Op("compute", k, t))
-            resident.add(k)
-            for i in sorted(set(graph.preds[k])):
-                if last[i] == k and i not in kept_after and i in resident:
-                    ops.append(Op("free", i, t))
-                    resident.discard(i)
-        ops.extend(Op("free", i, t) for i in sorted(resident - kept_after))
-    return Schedule(ops, None, dict(schedule.report)), over
+        if t not in order or stage_peak(graph, order, resident, kept_after) <= cap:
+            chosen.append(None)
+            continue
+        best = None
+        for o in orders(graph, st.compute, t, kept_after, tries if len(order) > 2 else 0, seed=t):
+            p = stage_peak(graph, o, resident, kept_after)
+            if best is None or p < best[0]:
+                best = (p, o)
+            if p <= cap:
+                break
+        if best[0] > cap:
+            over.append(t)
+        chosen.append(best[1])
+    return Schedule(ops_from_stages(graph, stages, chosen), None, dict(schedule.report)), over
