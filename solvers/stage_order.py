@@ -20,17 +20,22 @@ resident (ties: the latest id, which goes deep first); and `tries` random topolo
 result is a bare op list (``stages`` None, as DTR's replay gives); the caller simulates it like
 any other plan.
 
+When no order fits, `evict_to_fit` replays the plan's op list under the budget as a hard cap,
+freeing resident values where it would peak over and rebuilding them when they are read again
+(a DTR-style replay of a fixed program): more time, but a plan that fits.
+
 Peak of a stage for an order (what the simulator counts): resident bytes at the stage start,
 plus at each compute the bytes of its output, plus its workspace while it runs, less the inputs
 freed after their last reader.
 """
 from __future__ import annotations
 
+import bisect
 import random
 from typing import Iterator, Sequence
 
 from remat.graph import Graph
-from remat.schedule import Schedule, ops_from_stages
+from remat.schedule import Op, Schedule, ops_from_stages
 
 TRIES = 200  # random orders per stage that peaks above the budget in id order
 
@@ -145,3 +150,146 @@ def reorder(graph: Graph, schedule: Schedule, budget_bytes: int,
             over.append(t)
         chosen.append(best[1])
     return Schedule(ops_from_stages(graph, stages, chosen), None, dict(schedule.report)), over
+
+
+# ---- evict to fit -----------------------------------------------------------------------------
+EVICT_ALPHAS = (0.0, 0.5, 1.0, 2.0)  # the exponents of the distance to the next use that `evict_to_fit` tries
+EVICT_EXTRA = 1.0                     # a replay that rebuilds more than this many passes beyond the plan is given up
+
+
+def evict_to_fit(graph: Graph, schedule: Schedule, budget_bytes: int,
+                 alphas: Sequence[float] = EVICT_ALPHAS) -> Schedule | None:
+    """The plan's op list replayed under the budget as a hard cap, the fastest replay that fits
+    (a bare op list), or None (transfers in the plan, or no replay fits).
+
+    A plan from a model that checks memory only at some moments (the instant IP) may peak above
+    the budget where it rebuilds; when no rebuild order inside its stages fits (`reorder`), a
+    small eviction often does.  The replay runs the plan's computes and frees in order; before a
+    compute that would peak above the budget it frees resident forward values the compute does
+    not read, the one with the least rebuild cost per byte and per distance to its next read
+    first (cost = its time plus its inputs' that are not resident; the distance is in the plan's
+    compute time, raised to `alpha`; a value no later op reads goes first), and when an op reads
+    a value it freed (or that a rebuild needs), it computes it again first, its missing inputs
+    recursively (those the plan had freed are freed again after).  A compute the plan repeats
+    of a value that is still resident is skipped.  Every compute of the plan runs (or was
+    already resident), so the replay is a schedule of the same graph; it costs the plan's time
+    plus the rebuilds, and the caller simulates it like any other candidate."""
+    ops = schedule.ops
+    if any(op.op not in ("compute", "free") for op in ops):
+        return None
+    best: tuple[float, list[Op]] | None = None
+    for alpha in alphas:
+        out = _evict_replay(graph, ops, budget_bytes, alpha)
+        if out is not None:
+            t = sum(graph.nodes[op.node].time for op in out if op.op == "compute")
+            if best is None or t < best[0]:
+                best = (t, out)
+    return None if best is None else Schedule(best[1], None, dict(schedule.report))
+
+
+class _NoFit(Exception):
+    pass
+
+
+def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: float, noise: float = 0.0,
+                  seed: int = 0) -> list[Op] | None:
+    rng = random.Random(seed)
+    M, C = graph.sizes, graph.times
+    W = [v.workspace_bytes for v in graph.nodes]
+    forward = [v.kind == "forward" for v in graph.nodes]
+    preds = [sorted(set(p)) for p in graph.preds]
+    cap = budget_bytes - graph.fixed_bytes
+    clock: list[float] = []  # the plan's compute time before each op
+    reads: dict[int, list[int]] = {}  # value -> indices of the plan's computes that read it
+    c = 0.0
+    for idx, op in enumerate(ops):
+        clock.append(c)
+        if op.op == "compute":
+            c += C[op.node]
+            for u in preds[op.node]:
+                reads.setdefault(u, []).append(idx)
+    limit = c + EVICT_EXTRA * graph.total_time
+    res: set[int] = set()
+    gone: set[int] = set()  # freed by the replay while the plan still holds them
+    locks = [0] * graph.n
+    out: list[Op] = []
+    state = {"cur": 0, "spent": 0.0, "idx": 0, "stage": -1}
+
+    def score(v: int) -> float:
+        later = reads.get(v, [])
+        k = bisect.bisect_left(later, state["idx"])
+        if k == len(later):
+            return -1.0  # no later read: free to drop
+        d = clock[later[k]] - clock[state["idx"]]
+        s = rebuild_cost(v, set()) / (max(M[v], 1) * (d + 1e-12) ** alpha)
+        return s * rng.lognormvariate(0.0, noise) if noise else s
+
+    def rebuild_cost(v: int, seen: set[int]) -> float:  # v's time and that of its missing forward ancestors
+        seen.add(v)
+        return C[v] + sum(rebuild_cost(u, seen) for u in preds[v] if u not in res and u not in seen and forward[u])
+
+    def make_room(k: int) -> None:
+        while state["cur"] + M[k] + W[k] > cap:
+            pool = [v for v in res if forward[v] and not locks[v] and M[v] > 0]
+            if not pool:
+                raise _NoFit
+            v = min(pool, key=lambda x: (score(x), x))
+            out.append(Op("free", v, state["stage"]))
+            res.discard(v)
+            gone.add(v)
+            state["cur"] -= M[v]
+
+    def run(k: int) -> None:
+        make_room(k)
+        out.append(Op("compute", k, state["stage"]))
+        res.add(k)
+        gone.discard(k)
+        state["cur"] += M[k]
+        state["spent"] += C[k]
+        if state["spent"] > limit:
+            raise _NoFit
+
+    def ensure(v: int) -> None:  # v resident, rebuilt from its inputs when not
+        if v in res:
+            return
+        if not forward[v]:
+            raise _NoFit  # (a gradient or the loss is never computed twice)
+        temps = []
+        for u in preds[v]:
+            if u not in res:
+                held = u in gone
+                ensure(u)
+                if not held:
+                    temps.append(u)  # the plan had freed it: only for this rebuild
+            locks[u] += 1
+        run(v)
+        for u in preds[v]:
+            locks[u] -= 1
+        for u in temps:
+            if u in res and not locks[u]:
+                out.append(Op("free", u, state["stage"]))
+                res.discard(u)
+                state["cur"] -= M[u]
+
+    try:
+        for idx, op in enumerate(ops):
+            state["idx"], state["stage"] = idx, op.stage
+            k = op.node
+            if op.op == "free":
+                if k in res:
+                    out.append(op)
+                    res.discard(k)
+                    state["cur"] -= M[k]
+                gone.discard(k)
+                continue
+            if k in res:
+                continue  # rebuilt already (as an input of a rebuild) and still resident
+            for u in preds[k]:
+                ensure(u)
+                locks[u] += 1
+            run(k)
+            for u in preds[k]:
+                locks[u] -= 1
+    except _NoFit:
+        return None
+    return out

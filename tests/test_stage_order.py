@@ -145,3 +145,40 @@ def test_recompute_time_by_window_adds_up_to_the_schedules_recomputation():
     # the rebuilds before a node's first compute belong to the interval that ends at it
     first = next(t for t in range(g.n) if _recompute_in(g, sched, (t - 1, t)) > 0)
     assert _recompute_in(g, sched, (-1, first - 1)) == 0
+
+
+def test_evictions_make_a_plan_fit_where_no_rebuild_order_does():
+    g, staged = two_chains()
+    ordered, over = stage_order.reorder(g, staged, 119)
+    assert over == [3, 4]
+    fitted = stage_order.evict_to_fit(g, ordered, 119)
+    res = simulate(g, fitted)
+    assert fitted.stages is None and res.valid and res.peak_bytes == 110
+    # stage 3 frees x (10 bytes, one unit to rebuild) to compute a2 beside a1, and rebuilds it in
+    # stage 4 for a1; stage 4 frees it again at a2 and rebuilds it for b1: two units more
+    assert res.time == simulate(g, ordered).time + 2
+    assert res.compute_counts == [3, 3, 2, 2, 1]
+    # a plan that fits is replayed as it is
+    assert stage_order.evict_to_fit(g, ordered, 120).ops == ordered.ops
+    # nothing to free: x is the only forward value besides what the compute reads
+    assert stage_order.evict_to_fit(g, ordered, 109) is None
+
+
+@pytest.mark.parametrize("seed", [0, 3, 5])
+def test_evict_to_fit_gives_valid_schedules_under_the_budget(seed):
+    g = random_layered(30, seed=seed)
+    plan = get("checkpoint-all")(g, 10 ** 15)
+    plain = simulate(g, plan)
+    fitted_any = 0
+    for ratio in (0.9, 0.7, 0.5):
+        budget = int(g.fixed_bytes + ratio * (plain.peak_bytes - g.fixed_bytes))
+        fitted = stage_order.evict_to_fit(g, plan, budget)
+        if fitted is None:
+            continue
+        fitted_any += 1
+        res = simulate(g, fitted)
+        assert res.valid and res.peak_bytes <= budget
+        assert res.time >= plain.time and all(c >= 1 for c in res.compute_counts)
+        # first computes keep the plan's order, so the result still maps onto stages
+        assert stages_from_ops(g, fitted.ops) is not None
+    assert fitted_any >= 1
