@@ -778,7 +778,8 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
                 sched, res, source, maps = ordered, res_o, source + " (rebuild order)", True
             else:
                 # no order fits: replayed under the budget, with a few evictions and rebuilds where it peaks over
-                fitted = stage_order.evict_to_fit(graph, ordered if ordered is not None else sched, budget_bytes)
+                fitted = stage_order.evict_to_fit(graph, ordered if ordered is not None else sched, budget_bytes,
+                                                  worse_than=best_time if best_time < math.inf else None)
                 res_e = simulate(graph, fitted, bandwidth) if fitted is not None else None
                 if res_e is not None and res_e.valid and res_e.peak_bytes <= budget_bytes:
                     log.info("ilp-scalable: the %s schedule fits with evictions (%.6g -> %.6g)", source, res.time,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import random
+import time as _time
 from typing import Iterator, Sequence
 
 from remat.graph import Graph
@@ -154,20 +155,24 @@ def reorder(graph: Graph, schedule: Schedule, budget_bytes: int,
 
 # ---- evict to fit -----------------------------------------------------------------------------
 EVICT_ALPHAS = (0.0, 0.5, 1.0, 2.0)  # the exponents of the distance to the next use that `evict_to_fit` tries
+EVICT_S = 2.0                         # `evict_to_fit` tries no further replay after this many seconds
 EVICT_EXTRA = 1.0                     # a replay that rebuilds more than this many passes beyond the plan is given up
 
 
-def evict_to_fit(graph: Graph, schedule: Schedule, budget_bytes: int,
-                 alphas: Sequence[float] = EVICT_ALPHAS) -> Schedule | None:
+def evict_to_fit(graph: Graph, schedule: Schedule, budget_bytes: int, alphas: Sequence[float] = EVICT_ALPHAS, *,
+                 worse_than: float | None = None, time_limit: float | None = EVICT_S) -> Schedule | None:
     """The plan's op list replayed under the budget as a hard cap, the fastest replay that fits
-    (a bare op list), or None (transfers in the plan, or no replay fits).
+    (a bare op list), or None (transfers in the plan, or no replay fits, or none is faster than
+    `worse_than` seconds of compute: a replay stops once it reaches that, and all of them once
+    `time_limit` seconds have passed).
 
     A plan from a model that checks memory only at some moments (the instant IP) may peak above
     the budget where it rebuilds; when no rebuild order inside its stages fits (`reorder`), a
     small eviction often does.  The replay runs the plan's computes and frees in order; before a
     compute that would peak above the budget it frees resident forward values the compute does
     not read, the one with the least rebuild cost per byte and per distance to its next read
-    first (cost = its time plus its inputs' that are not resident; the distance is in the plan's
+    first (cost = its time plus that of its forward ancestors missing now, or, the other
+    variant, missing from what the plan holds at that read; the distance is in the plan's
     compute time, raised to `alpha`; a value no later op reads goes first), and when an op reads
     a value it freed (or that a rebuild needs), it computes it again first, its missing inputs
     recursively (those the plan had freed are freed again after).  A compute the plan repeats
@@ -178,12 +183,16 @@ def evict_to_fit(graph: Graph, schedule: Schedule, budget_bytes: int,
     if any(op.op not in ("compute", "free") for op in ops):
         return None
     best: tuple[float, list[Op]] | None = None
-    for alpha in alphas:
-        out = _evict_replay(graph, ops, budget_bytes, alpha)
+    deadline = None if time_limit is None else _time.perf_counter() + time_limit
+    for alpha, ahead in [(a, h) for h in (False, True) for a in alphas]:
+        stop = worse_than if best is None else best[0] if worse_than is None else min(worse_than, best[0])
+        out = _evict_replay(graph, ops, budget_bytes, alpha, ahead, stop, deadline)
         if out is not None:
             t = sum(graph.nodes[op.node].time for op in out if op.op == "compute")
             if best is None or t < best[0]:
                 best = (t, out)
+        if deadline is not None and _time.perf_counter() > deadline:
+            break
     return None if best is None else Schedule(best[1], None, dict(schedule.report))
 
 
@@ -191,9 +200,8 @@ class _NoFit(Exception):
     pass
 
 
-def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: float, noise: float = 0.0,
-                  seed: int = 0) -> list[Op] | None:
-    rng = random.Random(seed)
+def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: float, ahead: bool,
+                  stop: float | None, deadline: float | None) -> list[Op] | None:
     M, C = graph.sizes, graph.times
     W = [v.workspace_bytes for v in graph.nodes]
     forward = [v.kind == "forward" for v in graph.nodes]
@@ -201,14 +209,20 @@ def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: flo
     cap = budget_bytes - graph.fixed_bytes
     clock: list[float] = []  # the plan's compute time before each op
     reads: dict[int, list[int]] = {}  # value -> indices of the plan's computes that read it
+    held: list[frozenset[int]] = []  # what the plan holds before each op
     c = 0.0
+    now: set[int] = set()
     for idx, op in enumerate(ops):
         clock.append(c)
+        held.append(frozenset(now))
         if op.op == "compute":
             c += C[op.node]
+            now.add(op.node)
             for u in preds[op.node]:
                 reads.setdefault(u, []).append(idx)
-    limit = c + EVICT_EXTRA * graph.total_time
+        else:
+            now.discard(op.node)
+    limit = c + EVICT_EXTRA * graph.total_time if stop is None else min(stop, c + EVICT_EXTRA * graph.total_time)
     res: set[int] = set()
     gone: set[int] = set()  # freed by the replay while the plan still holds them
     locks = [0] * graph.n
@@ -221,17 +235,18 @@ def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: flo
         if k == len(later):
             return -1.0  # no later read: free to drop
         d = clock[later[k]] - clock[state["idx"]]
-        s = rebuild_cost(v, set()) / (max(M[v], 1) * (d + 1e-12) ** alpha)
-        return s * rng.lognormvariate(0.0, noise) if noise else s
+        return rebuild_cost(v, held[later[k]] if ahead else res, set()) / (max(M[v], 1) * (d + 1e-12) ** alpha)
 
-    def rebuild_cost(v: int, seen: set[int]) -> float:  # v's time and that of its missing forward ancestors
+    def rebuild_cost(v: int, there: frozenset[int] | set[int], seen: set[int]) -> float:
+        # v's time and that of its forward ancestors missing from `there`
         seen.add(v)
-        return C[v] + sum(rebuild_cost(u, seen) for u in preds[v] if u not in res and u not in seen and forward[u])
+        return C[v] + sum(rebuild_cost(u, there, seen) for u in preds[v]
+                          if u not in there and u not in seen and forward[u])
 
     def make_room(k: int) -> None:
         while state["cur"] + M[k] + W[k] > cap:
             pool = [v for v in res if forward[v] and not locks[v] and M[v] > 0]
-            if not pool:
+            if not pool or deadline is not None and _time.perf_counter() > deadline:
                 raise _NoFit
             v = min(pool, key=lambda x: (score(x), x))
             out.append(Op("free", v, state["stage"]))
