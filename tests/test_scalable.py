@@ -267,6 +267,20 @@ def test_stops_as_soon_as_the_requested_gap_is_met():
     assert "coarse" not in [d["phase"] for d in seen]
 
 
+def test_no_window_ip_once_a_baseline_meets_the_bound(monkeypatch):
+    # chain24 at 0.6x: lookahead's 84 meets the knapsack bound; the window IP used to run anyway
+    # (9 s, a CBC the watchdog had to stop); it is asked only while the gap is open
+    calls = []
+    real = ilp_scalable.window_bound
+    monkeypatch.setattr(ilp_scalable, "window_bound", lambda *a, **k: calls.append(a) or real(*a, **k))
+    g = linear_chain(24)
+    s = ilp_scalable.solve(g, parse_budget("0.6x", g), swap=False, time_limit=20, threads=1)
+    assert s.report["status"] == "optimal" and s.report["objective"] == 84 and calls == []
+    g = random_layered(20, seed=2)  # (lookahead 167 against a knapsack bound below: the window IP runs)
+    ilp_scalable.solve(g, parse_budget("0.6x", g), swap=False, time_limit=3, threads=1, use_instant_ip=False)
+    assert calls and calls[0][0] is g
+
+
 def test_never_optimal_unless_the_bound_meets_the_incumbent():
     g = random_layered(40, seed=4)
     budget = parse_budget("0.8x", g)
