@@ -272,9 +272,9 @@ def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: flo
         temps = []
         for u in preds[v]:
             if u not in res:
-                held = u in gone
+                plan_holds = u in gone
                 ensure(u)
-                if not held:
+                if not plan_holds:
                     temps.append(u)  # the plan had freed it: only for this rebuild
             locks[u] += 1
         run(v)
