@@ -23,8 +23,11 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    of first computes, so it is a fifth the size, yet a recomputation still needs its inputs.
    Its bound is the strongest this mode has at tight budgets (U-Net d3 at 0.3x: 1.183 where
    the window IP gives 1.132; ResNet-50 d2 at 0.3x: 1.172 against 1.122), and where its optimal
-   plan also fits inside every stage it proves it (U-Net d3 at 0.5x: 1.0304 in 4 s).  A plan
-   of its that peaks above the budget inside a stage goes to one shift search.  HiGHS solves it
+   plan also fits inside every stage it proves it (U-Net d3 at 0.5x: 1.0304 in 4 s); a proven
+   optimum that peaks over in every rebuild order gets rebuild-moment rows where it does, as in
+   the exact mode (`instant_ip.solve_on_demand`; random_layered(20, seed 2) at 0.6x: 157 ->
+   159, proven).  A plan of its that peaks above the budget inside a stage goes to one shift
+   search.  HiGHS solves it
    when installed (the `highs` extra; `ilp._run` hands it the plan as a MIP start through
    highspy, which PuLP does not): its cut loop lifts the root bound further than CBC's, and it
    proves U-Net d3 at 0.5x as fast.  Recompute-only, it gets `INSTANT_HIGHS_SHARE` and leaves
@@ -570,7 +573,9 @@ LP_S_PER_UNIT = 3.5e-4
 # ---- step 0c, in line or in a process of its own -----------------------------------------------
 def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, swap: bool = False,
                  threads: int | None = None, backend: str = "cbc", **options) -> dict:
-    """Step 0c: the instant IP (`instant_ip.solve`, `options` passed on), and when it does not
+    """Step 0c: the instant IP (`instant_ip.solve`, `options` passed on); when it proves an
+    optimum whose plan peaks over in every rebuild order, rebuild-moment rows where it does
+    (`instant_ip.solve_on_demand`); and when it does not
     prove its optimum, recompute only, on a graph with tight backward instants, the split bound
     (`instant_ip.split_bound`) for the rest of the time: with a limit, the split bound keeps
     `SPLIT_SHARE` of it, or `SPLIT_MIN_S` up to 60 % of it.  Returns `instant_ip.solve`'s dict
@@ -581,6 +586,14 @@ def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, s
         max(1.0, time_limit - max(SPLIT_SHARE * time_limit, min(SPLIT_MIN_S, 0.6 * time_limit)))
     out = instant_ip.solve(graph, budget_bytes, swap=swap, threads=threads, backend=backend, time_limit=first,
                            **options)
+    if not swap and out["proven"] and out["schedule"] is not None and stage_order.reorder(
+            graph, out["schedule"], budget_bytes)[1]:
+        # a proven optimum that peaks over in every rebuild order: rows where it does, as the exact
+        # mode does (instant_ip "Rebuild moments on demand"; random_layered(20, seed 2) at 0.6x:
+        # 157 -> 159, the exact optimum, proven)
+        rest = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
+        out = instant_ip.solve_on_demand(graph, budget_bytes, out, time_limit=rest, threads=threads,
+                                         start=options.get("start"), backend=backend)
     out["split"] = None
     if cuts and not out["proven"] and not out["infeasible"]:
         rest = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))

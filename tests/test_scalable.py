@@ -281,6 +281,18 @@ def test_no_window_ip_once_a_baseline_meets_the_bound(monkeypatch):
     assert calls and calls[0][0] is g
 
 
+def test_scalable_mode_adds_rebuild_moments_where_the_proven_instant_optimum_overflows():
+    # random_layered(20, seed 2) at 0.6x: the plain instant IP proves 157, whose plan peaks over in
+    # every rebuild order; rows where it does lift it to 159, the exact optimum, with a plan that
+    # fits (the exact mode's on-demand loop, now in step 0c too)
+    g = random_layered(20, seed=2)
+    budget = parse_budget("0.6x", g)
+    s = ilp_scalable.solve(g, budget, swap=False, time_limit=20, threads=1, coarse_nodes=13)
+    fits(g, s, budget)
+    assert s.report["status"] == "optimal" and s.report["objective"] == pytest.approx(159)
+    assert s.report["bound_from"].startswith("instant IP")
+
+
 def test_never_optimal_unless_the_bound_meets_the_incumbent():
     g = random_layered(40, seed=4)
     budget = parse_budget("0.8x", g)
