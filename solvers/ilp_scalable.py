@@ -586,11 +586,10 @@ def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, s
         max(1.0, time_limit - max(SPLIT_SHARE * time_limit, min(SPLIT_MIN_S, 0.6 * time_limit)))
     out = instant_ip.solve(graph, budget_bytes, swap=swap, threads=threads, backend=backend, time_limit=first,
                            **options)
-    if not swap and out["proven"] and out["schedule"] is not None and stage_order.reorder(
-            graph, out["schedule"], budget_bytes)[1]:
+    if not swap and out["proven"] and out["schedule"] is not None:
         # a proven optimum that peaks over in every rebuild order: rows where it does, as the exact
-        # mode does (instant_ip "Rebuild moments on demand"; random_layered(20, seed 2) at 0.6x:
-        # 157 -> 159, the exact optimum, proven)
+        # mode does (instant_ip "Rebuild moments on demand", which returns at once when the plan
+        # fits in some order; random_layered(20, seed 2) at 0.6x: 157 -> 159, the exact optimum, proven)
         rest = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
         out = instant_ip.solve_on_demand(graph, budget_bytes, out, time_limit=rest, threads=threads,
                                          start=options.get("start"), backend=backend)
