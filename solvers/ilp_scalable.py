@@ -40,7 +40,9 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    its own, their optima added), run when the whole model has not proven its optimum:
    ResNet-50 d2 at 0.3x 1.1895 where the whole model plateaus at 1.1818, U-Net d3 at 0.3x
    1.1878 (1.1847).
-0d. Neighbourhood search in the instant IP (recompute only): free the P and N of one region of
+0d. Neighbourhood search in the instant IP (recompute-only plans; with swap too, for
+   `LNS_SWAP_SHARE` of the time, the coarse ILP after it being where swap plans come from: U-Net
+   d3 and ResNet-50 d2 at 0.3x with swap 1.312 / 1.274 -> 1.279 / 1.257): free the P and N of one region of
    forward values (`instant_ip.neighbourhoods`: contiguous runs with equal numbers of
    variables, ends moved to articulation points), fix every other to the best plan, start from
    it, and solve (HiGHS when installed) for up to `LNS_REGION_S`; the region the plan
@@ -177,6 +179,7 @@ INSTANT_SHARE = 0.85   # of the time left, for the instant IP (step 0c)
 INSTANT_HIGHS_SHARE = 0.45  # of the time left, for the instant IP on HiGHS when the neighbourhood search follows
 LNS_SHARE = 0.95       # of the time left after step 0c, for the neighbourhood search (step 0d; 0.85 until session 9:
 #                        where it runs, the coarse ILP and RINS after it have not given a zoo graph its plan)
+LNS_SWAP_SHARE = 0.6   # with swap: its plans are recompute-only, the coarse ILP after it may swap
 LNS_PARTS = 3          # regions it frees one at a time
 LNS_REGION_S = 40.0    # at most this long on one region (ResNet-50 at 0.3x: 15 s finds nothing in layer1, 30 s does;
 #                        layer2 from the 1.2571 plan: 30 s give a plan that peaks over, 40 s give 1.2494)
@@ -780,7 +783,7 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
         res = simulate(graph, sched, bandwidth)
         maps = sched.stages is not None  # onto the instant IP (a start for its searches)
         over: list[int] = []
-        if res.valid and res.peak_bytes > budget_bytes and not swap:
+        if res.valid and res.peak_bytes > budget_bytes:  # (reorder and evict_to_fit refuse plans with transfers)
             # the instant IP's plans ignore memory inside a stage: another rebuild order in the
             # stages that peak over often fits (stage_order)
             ordered, over = stage_order.reorder(graph, sched, budget_bytes)
@@ -920,7 +923,7 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
         rounds = 0
         # one round where the neighbourhood search follows: the second round of ResNet-50 d2 at 0.3x
         # found nothing in its 9 s, which layer2's region then missed (1.2494 at 112-114 s instead of 116-117 s)
-        most = 1 if run_instant and not swap else SHIFT_ROUNDS
+        most = 1 if run_instant else SHIFT_ROUNDS
         while gap_open() and rounds < most:
             rest = None if until is None else until - _time.perf_counter()
             if rest is not None and rest < 2.0:
@@ -941,7 +944,7 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
     # 0c (one thread): the instant IP here, for its share of the time
     if run_instant and not workers and gap_open() and (left() is None or left() > 4.0):
         limit_ip = ilp.INSTANT_CAP_S if limit is None else \
-            max(1.0, 0.8 * share(INSTANT_HIGHS_SHARE if ip_backend == "highs" and not swap else INSTANT_SHARE) - 1.0)
+            max(1.0, 0.8 * share(INSTANT_HIGHS_SHARE if ip_backend == "highs" else INSTANT_SHARE) - 1.0)
         tell(source_ip)
         use_instant(instant_step(graph, budget_bytes, swap=swap, bandwidth=bandwidth, threads=threads,
                                  time_limit=limit_ip, start=ip_start[0] if ip_start[0] is not None else best,
@@ -953,9 +956,9 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
     # values free (instant_ip.neighbourhoods; the one the plan recomputes most, then the others
     # from the least recomputed), the rest fixed to the plan, started from it; again around each
     # improvement while the share lasts
-    if run_instant and not swap and gap_open() and ip_start[0] is not None \
+    if run_instant and gap_open() and ip_start[0] is not None \
             and (left() is None or left() > 2 * LNS_MIN_S):
-        until = None if limit is None else _time.perf_counter() + LNS_SHARE * left()
+        until = None if limit is None else _time.perf_counter() + (LNS_SWAP_SHARE if swap else LNS_SHARE) * left()
         regions = instant_ip.neighbourhoods(graph, LNS_PARTS)
         counts = simulate(graph, ip_start[0], bandwidth).compute_counts
         regions.sort(key=lambda r: sum((counts[v] - 1) * graph.nodes[v].time for v in r))

@@ -383,6 +383,22 @@ def test_neighbourhood_search_improves_on_the_shift_search():
     assert r["lower_bound"] <= res.time
 
 
+def test_with_swap_the_neighbourhood_search_still_gives_its_recompute_only_plans():
+    # a recompute-only plan is a swap plan too: with swap allowed (remat.plan's default) the search
+    # must not do worse than without.  A host link so slow that no swap pays: the shift search's
+    # 180 was the swap mode's answer before step 0d ran there too; it finds 179, as without swap
+    pytest.importorskip("highspy")
+    g = residual_blocks(12, 0)
+    g.meta["bandwidth"] = 1e-3
+    budget = parse_budget("0.4x", g)
+    s = ilp_scalable.solve(g, budget, swap=True, time_limit=25, threads=1)
+    r = s.report
+    assert r["incumbent_from"].startswith("neighbourhood search") and r["neighbourhoods"] >= 1
+    res = fits(g, s, budget)
+    assert res.time == pytest.approx(r["objective"]) and res.time <= 179.0 + 1e-9
+    assert r["lower_bound"] <= res.time
+
+
 # ---- step 0c in a worker process (threads >= 2) ---------------------------------------------------
 def test_two_threads_prove_the_same_optimum_with_the_instant_ip_in_a_worker(no_chain_bound, monkeypatch):
     # chain12 at 6 units: only the instant IP proves lookahead's 47 (the window IP stops at 45);
