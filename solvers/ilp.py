@@ -100,6 +100,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time as _time
@@ -640,6 +641,12 @@ WATCHDOG_GRACE = (1.1, 3.0)
 WATCHDOG_KILL_S = 5.0
 
 
+def cbc_limit_within(seconds: float) -> float:
+    """The CBC time limit whose worst case (run to the watchdog's interrupt, then to its kill)
+    ends within `seconds`: for a step that must end by then."""
+    return (seconds - WATCHDOG_GRACE[1] - WATCHDOG_KILL_S) / WATCHDOG_GRACE[0]
+
+
 class _HiGHSWithStart(pulp.HiGHS):
     """PuLP's HiGHS solver, handing the variables' current values to HiGHS as a MIP start (PuLP
     passes HiGHS none; highspy's setSolution takes one, and HiGHS ignores it if infeasible)."""
@@ -651,6 +658,38 @@ class _HiGHSWithStart(pulp.HiGHS):
         start.value_valid = True
         lp.solverModel.setSolution(start)  # columns are lp.variables() in order (buildSolverModel)
         super().callSolver(lp)
+
+
+_highs_banner_shown = False
+
+
+def _swallow_highs_banner() -> None:
+    """HiGHS writes its banner ("Running HiGHS ...: Copyright ...") to the C-level stdout once per
+    process, at the first `Highs()`, before any option can turn it off: in `remat plan`'s output
+    it landed between the progress lines, and in anything a caller prints to stdout.  That first
+    `Highs()` is made here with file descriptor 1 pointed at /dev/null; where there is no such
+    descriptor to redirect, the banner shows as before."""
+    global _highs_banner_shown
+    if _highs_banner_shown:
+        return
+    _highs_banner_shown = True
+    import highspy
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):
+        highspy.Highs()
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 1)
+            highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(devnull)
+    finally:
+        os.close(saved)
 
 
 def highs_available() -> bool:
@@ -707,7 +746,8 @@ class _Watchdog(threading.Thread):
     def run(self) -> None:
         if self.done.wait(self.deadline):
             return
-        log.warning("CBC is still running %.0f s after its start (time limit %.0f s); interrupting it",
+        # (information: the caller gets CBC's incumbent, or its own fallback, and says what came of it)
+        log.info("CBC is still running %.0f s after its start (time limit %.0f s); interrupting it",
                     self.deadline, (self.deadline - WATCHDOG_GRACE[1]) / WATCHDOG_GRACE[0])
         self._signal(signal.SIGINT)
         if not self.done.wait(WATCHDOG_KILL_S):
@@ -836,6 +876,7 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
         # that ask for another thread count ("Not Set"): start each solve with a fresh pool
         import highspy
         highspy.Highs.resetGlobalScheduler(True)
+        _swallow_highs_banner()
         m.prob.solve(solver)
         h = m.prob.solverModel
         info = h.getInfo()
