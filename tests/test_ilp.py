@@ -197,6 +197,19 @@ def test_highs_backend_agrees_with_cbc():
         assert math.isclose(a.report["objective"], b.report["objective"], rel_tol=1e-6)
 
 
+def test_highs_banner_stays_out_of_stdout():
+    # HiGHS prints its banner to the C stdout at the first Highs() of a process, before any
+    # option can stop it; `remat plan` writes its summary there (a fresh process: once per process)
+    pytest.importorskip("highspy")
+    import subprocess
+    import sys
+    code = ("from remat.generators import linear_chain; from remat.solvers import ilp; "
+            "s = ilp.solve(linear_chain(6), 5, swap=False, backend='highs'); print(s.report['status'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "optimal" and "HiGHS" not in out.stdout + out.stderr
+
+
 def test_parse_cbc_log():
     text = ("Result - Stopped on time limit\n\nObjective value:                37.00000000\n"
             "Lower bound:                    25.000\nGap:                            0.48\n")
