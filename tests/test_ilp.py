@@ -417,9 +417,13 @@ def test_time_limited_exact_solve_reports_at_least_the_window_bound():
 def test_watchdog_stops_a_cbc_that_overruns_its_time_limit(tmp_path, monkeypatch, ignores_sigint, no_chain_bound):
     # CBC ignores its own limit in preprocessing and infeasibility proofs (seen: 215 s against
     # 30); a stand-in that never ends is interrupted, or killed, and the warm start comes back
+    # (Python, not sh: CBC sets its own SIGINT handler, and a shell started from a background job
+    # inherits SIGINT ignored and may not reset it)
+    import sys
     fake = tmp_path / "cbc"
-    trap = "trap '' INT\n" if ignores_sigint else ""
-    fake.write_text(f"#!/bin/sh\n{trap}exec sleep 600\n")  # an ignored SIGINT stays ignored across exec
+    how = "SIG_IGN" if ignores_sigint else "SIG_DFL"
+    fake.write_text(f"#!{sys.executable}\nimport signal, time\nsignal.signal(signal.SIGINT, signal.{how})\n"
+                    "time.sleep(600)\n")
     fake.chmod(0o755)
     monkeypatch.setattr(ilp, "_cbc_binary", lambda: str(fake))
     monkeypatch.setattr(ilp, "WATCHDOG_GRACE", (1.0, 0.5))
