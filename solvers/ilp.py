@@ -675,20 +675,26 @@ def _swallow_highs_banner() -> None:
     _highs_banner_shown = True
     import highspy
     try:
-        sys.stdout.flush()
+        sys.stdout.flush()  # (what Python holds for fd 1 goes out before fd 1 is swapped)
+    except (ValueError, AttributeError):  # (a closed or missing sys.stdout)
+        pass
+    try:
         saved = os.dup(1)
-    except (OSError, ValueError, AttributeError):
+    except OSError:  # (no descriptor 1)
         highspy.Highs()
         return
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, 1)
-            highspy.Highs()
-        finally:
-            os.dup2(saved, 1)
-            os.close(devnull)
+    except OSError:
+        os.close(saved)
+        highspy.Highs()
+        return
+    try:
+        os.dup2(devnull, 1)
+        highspy.Highs()
     finally:
+        os.dup2(saved, 1)
+        os.close(devnull)
         os.close(saved)
 
 
@@ -748,7 +754,7 @@ class _Watchdog(threading.Thread):
             return
         # (information: the caller gets CBC's incumbent, or its own fallback, and says what came of it)
         log.info("CBC is still running %.0f s after its start (time limit %.0f s); interrupting it",
-                    self.deadline, (self.deadline - WATCHDOG_GRACE[1]) / WATCHDOG_GRACE[0])
+                 self.deadline, (self.deadline - WATCHDOG_GRACE[1]) / WATCHDOG_GRACE[0])
         self._signal(signal.SIGINT)
         if not self.done.wait(WATCHDOG_KILL_S):
             self._signal(signal.SIGKILL)

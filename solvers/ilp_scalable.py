@@ -30,8 +30,8 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    search.  HiGHS solves it
    when installed (the `highs` extra; `ilp._run` hands it the plan as a MIP start through
    highspy, which PuLP does not): its cut loop lifts the root bound further than CBC's, and it
-   proves U-Net d3 at 0.5x as fast.  Recompute-only, it gets `INSTANT_HIGHS_SHARE` and leaves
-   the rest to 0d.  With `threads` >= 2 it runs instead in a process of its own
+   proves U-Net d3 at 0.5x as fast.  Where 0d follows, it gets `INSTANT_HIGHS_SHARE` and leaves
+   the rest to it.  With `threads` >= 2 it runs instead in a process of its own
    (`InstantWorker`), started right after step 0 for `WORKER_SHARE` of the time, while 0b, 0d
    and the later steps go on beside it with one thread fewer; its plan and bound are taken when
    it ends (between neighbourhoods, or at the end).  Recompute-only, on a graph with tight
