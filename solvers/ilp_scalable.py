@@ -1037,8 +1037,9 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
             # when CBC, overrunning its limit in a root LP until the watchdog stops it, could end past
             # the call's limit (U-Net d3 at 0.3x with swap, 30 s: an 8 s share ended 16 s later)
             limit_c = share(0.22 if follow else 0.6)
-            if limit_c is not None and limit_c > ilp.cbc_limit_within(left()):
-                limit_c = ilp.cbc_limit_within(left())
+            within = None if limit_c is None else ilp.cbc_limit_within(left())
+            if within is not None and limit_c > within:
+                limit_c = within
                 if limit_c < 1.0 and best is not None:
                     log.info("ilp-scalable: no time left for the coarse ILP")
                     break

@@ -243,16 +243,19 @@ def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: flo
         return C[v] + sum(rebuild_cost(u, there, seen) for u in preds[v]
                           if u not in there and u not in seen and forward[u])
 
+    def drop(v: int) -> None:
+        out.append(Op("free", v, state["stage"]))
+        res.discard(v)
+        state["cur"] -= M[v]
+
     def make_room(k: int) -> None:
         while state["cur"] + M[k] + W[k] > cap:
             pool = [v for v in res if forward[v] and not locks[v] and M[v] > 0]
             if not pool or deadline is not None and _time.perf_counter() > deadline:
                 raise _NoFit
             v = min(pool, key=lambda x: (score(x), x))
-            out.append(Op("free", v, state["stage"]))
-            res.discard(v)
+            drop(v)
             gone.add(v)
-            state["cur"] -= M[v]
 
     def run(k: int) -> None:
         make_room(k)
@@ -264,27 +267,30 @@ def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: flo
         if state["spent"] > limit:
             raise _NoFit
 
+    def run_reading(k: int) -> list[int]:
+        """Compute k with its inputs resident (rebuilt when not, and held while k runs); returns
+        the inputs rebuilt for it that the plan had freed."""
+        temps = []
+        for u in preds[k]:
+            if u not in res:
+                plan_holds = u in gone
+                ensure(u)
+                if not plan_holds:
+                    temps.append(u)
+            locks[u] += 1
+        run(k)
+        for u in preds[k]:
+            locks[u] -= 1
+        return temps
+
     def ensure(v: int) -> None:  # v resident, rebuilt from its inputs when not
         if v in res:
             return
         if not forward[v]:
             raise _NoFit  # (a gradient or the loss is never computed twice)
-        temps = []
-        for u in preds[v]:
-            if u not in res:
-                plan_holds = u in gone
-                ensure(u)
-                if not plan_holds:
-                    temps.append(u)  # the plan had freed it: only for this rebuild
-            locks[u] += 1
-        run(v)
-        for u in preds[v]:
-            locks[u] -= 1
-        for u in temps:
+        for u in run_reading(v):  # (the plan had freed them: only for this rebuild)
             if u in res and not locks[u]:
-                out.append(Op("free", u, state["stage"]))
-                res.discard(u)
-                state["cur"] -= M[u]
+                drop(u)
 
     try:
         for idx, op in enumerate(ops):
@@ -292,19 +298,12 @@ def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: flo
             k = op.node
             if op.op == "free":
                 if k in res:
-                    out.append(op)
-                    res.discard(k)
-                    state["cur"] -= M[k]
+                    drop(k)
                 gone.discard(k)
                 continue
             if k in res:
                 continue  # rebuilt already (as an input of a rebuild) and still resident
-            for u in preds[k]:
-                ensure(u)
-                locks[u] += 1
-            run(k)
-            for u in preds[k]:
-                locks[u] -= 1
+            run_reading(k)  # (every input of a plan's compute is one the plan holds: nothing to free after)
     except _NoFit:
         return None
     return out
