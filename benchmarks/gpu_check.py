@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -32,12 +33,13 @@ from torch.utils.checkpoint import checkpoint
 import remat
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontends import default_loss, zoo
+from remat.frontends.measure import untracked_device_bytes
 from remat.frontends.run import random_batch, run_plan
 
 COLUMNS = ("model", "nodes", "budget", "budget_bytes", "note", "solver_status", "predicted_peak", "measured_peak",
            "peak_error", "within_budget", "host_predicted", "host_measured", "predicted_overhead", "step_s",
            "plain_s", "ckpt_blocks_s", "planned_over_plain", "ckpt_over_plain", "plain_peak", "ckpt_peak",
-           "bandwidth_h2d", "bandwidth_d2h", "device")
+           "bandwidth_h2d", "bandwidth_d2h", "runtime_bytes", "untracked_at_run", "device")
 
 # model -> zoo overrides for the check (batch scaled by --batch)
 MODELS = {
@@ -92,7 +94,61 @@ def time_steps(model: nn.Module, example: tuple, device: torch.device, steps: in
     return statistics.median(times), peak
 
 
-def check_model(name: str, args: argparse.Namespace, device: torch.device, writer: csv.DictWriter) -> list[dict]:
+class _Alone:
+    """Runs a block with `model` moved to the CPU, so the device holds only what the block
+    puts there (a copy being measured must not share the device with its original)."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.model, self.device = model, device
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        return self
+
+    def __exit__(self, *exc):
+        self.model.to(self.device)
+        return False
+
+
+TIMELINE_COLUMNS = ("model", "budget", "k", "op", "node", "node_name", "predicted_during", "predicted_after",
+                    "measured_during", "measured_after")
+
+
+def op_timeline(model: nn.Module, example: tuple, plan, device: torch.device) -> list[dict]:
+    """Device bytes op by op in one step of `plan` (after a warm-up step): the simulator's
+    against ``max_memory_allocated`` since the previous op and ``memory_allocated`` after it
+    (synchronised at every op, so only the bytes are read, not the time)."""
+    planned = remat.apply(model, plan, example)
+    planned(*example).backward()
+    model.zero_grad(set_to_none=False)
+    sim = remat.simulate(plan.graph, plan.schedule, timeline=True).timeline
+    got: list[tuple] = []
+    cuda = device.type == "cuda"
+
+    def probe(op, k):
+        if cuda:
+            torch.cuda.synchronize(device)
+            got.append((torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)))
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            got.append((0, 0))
+    planned.on_op = probe
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    planned(*example).backward()
+    planned.on_op = None
+    names = [v.name for v in plan.graph.nodes]
+    return [{"k": k, "op": op.op, "node": op.node, "node_name": names[op.node],
+             "predicted_during": e["device_bytes"], "predicted_after": e["after_bytes"],
+             "measured_during": m[0], "measured_after": m[1]}
+            for k, (op, e, m) in enumerate(zip(plan.schedule.ops, sim, got))]
+
+
+def check_model(name: str, args: argparse.Namespace, device: torch.device, writer: csv.DictWriter,
+                timeline: "csv.DictWriter | None" = None) -> list[dict]:
     overrides = dict(MODELS[name])
     overrides["batch"] = args.batch
     if args.quick:
@@ -104,20 +160,36 @@ def check_model(name: str, args: argparse.Namespace, device: torch.device, write
     graph = remat.trace(model, example, profile="measure", device=device)
     bw = {"h2d": graph.meta.get("bandwidth_h2d"), "d2h": graph.meta.get("bandwidth_d2h")}
     plain_s, plain_peak = time_steps(model, example, device, args.steps)
-    ckpt_s, ckpt_peak = time_steps(checkpoint_blocks(model, graph), example, device, args.steps)
+    ckpt = checkpoint_blocks(model, graph)
+    with _Alone(model, device):
+        ckpt_s, ckpt_peak = time_steps(ckpt, example, device, args.steps)
+    del ckpt
     rows = []
     for b in args.budgets:
         note = ""
         try:
-            plan = remat.plan(graph, f"{b}x", solver="ilp", time_limit=args.time_limit, threads=args.threads)
-        except InfeasibleBudgetError as e:
-            if e.min_feasible_bytes is None:
-                print(f"{name} {b}x: infeasible ({e})", file=sys.stderr)
-                continue
-            plan = remat.plan(graph, e.min_feasible_bytes, solver="ilp", time_limit=args.time_limit,
-                              threads=args.threads)
-            note = "tightest feasible"
-        rep = run_plan(copy.deepcopy(model), example, plan, steps=args.steps, device=device, plain=False)
+            try:
+                plan = remat.plan(graph, f"{b}x", solver="ilp", time_limit=args.time_limit, threads=args.threads)
+            except InfeasibleBudgetError as e:
+                if e.min_feasible_bytes is None:
+                    print(f"{name} {b}x: infeasible ({e})", file=sys.stderr)
+                    continue
+                plan = remat.plan(graph, e.min_feasible_bytes, solver="ilp", time_limit=args.time_limit,
+                                  threads=args.threads)
+                note = "tightest feasible"
+            mine = copy.deepcopy(model)
+            with _Alone(model, device):
+                # device bytes no tensor holds as the run starts, against the trace's `runtime`
+                untracked = untracked_device_bytes(device)
+                rep = run_plan(mine, example, plan, steps=args.steps, device=device, plain=False)
+                if timeline is not None:
+                    for r in op_timeline(mine, example, plan, device):
+                        timeline.writerow({"model": name, "budget": f"{b}x", **r})
+            del mine
+        except Exception:  # noqa: BLE001 - a device check reports every failure and goes on
+            print(f"{name} {b}x: failed", file=sys.stderr)
+            traceback.print_exc()
+            continue
         pr = plan.predicted
         row = {
             "model": name, "nodes": graph.n, "budget": f"{b}x", "budget_bytes": plan.budget_bytes, "note": note,
@@ -128,7 +200,8 @@ def check_model(name: str, args: argparse.Namespace, device: torch.device, write
             "step_s": round(rep.step_time, 6), "plain_s": round(plain_s, 6), "ckpt_blocks_s": round(ckpt_s, 6),
             "planned_over_plain": round(rep.step_time / plain_s, 4), "ckpt_over_plain": round(ckpt_s / plain_s, 4),
             "plain_peak": plain_peak, "ckpt_peak": ckpt_peak, "bandwidth_h2d": bw.get("h2d"),
-            "bandwidth_d2h": bw.get("d2h"), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+            "bandwidth_d2h": bw.get("d2h"), "runtime_bytes": graph.meta["fixed_breakdown"].get("runtime"),
+            "untracked_at_run": untracked, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
             else "cpu",
         }
         writer.writerow(row)
@@ -171,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=20.0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="zoo defaults (tiny), for a dry run on the CPU")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also write gpu_timeline.csv: predicted and measured device bytes op by op, every plan")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "out"))
     args = ap.parse_args(argv)
     args.budgets = [float(x) for x in args.budgets.split(",")]
@@ -183,15 +258,24 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     rows: list[dict] = []
+    tl_file = open(out / "gpu_timeline.csv", "w", newline="") if args.timeline else None
+    timeline = csv.DictWriter(tl_file, fieldnames=TIMELINE_COLUMNS) if tl_file else None
+    if timeline:
+        timeline.writeheader()
     with open(out / "gpu_check.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         for name in args.models.split(","):
             try:
-                rows += check_model(name, args, device, writer)
+                rows += check_model(name, args, device, writer, timeline)
             except RematError as e:
                 print(f"{name}: {e}", file=sys.stderr)
+            except Exception:  # noqa: BLE001 - the other models still run
+                print(f"{name}: failed", file=sys.stderr)
+                traceback.print_exc()
             f.flush()
+    if tl_file:
+        tl_file.close()
     if rows:
         draw(rows, out / "gpu_check.png")
     bad = [r for r in rows if abs(r["peak_error"]) > 0.10]

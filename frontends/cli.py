@@ -198,7 +198,9 @@ def run_trace(args: Any) -> int:
           + f": {n_fwd} forward nodes, {graph.n} nodes, {len(graph.edges)} edges")
     print(f"memory     fixed {format_bytes(graph.fixed_bytes)} (parameters {format_bytes(fb['parameters'])}, gradients "
           f"{format_bytes(fb['gradients'])}, buffers {format_bytes(fb['buffers'])}, inputs {format_bytes(fb['inputs'])}, "
-          f"optimizer {format_bytes(fb['optimizer'])}); checkpoint-all peak {format_bytes(baseline_peak(graph))}")
+          f"optimizer {format_bytes(fb['optimizer'])}"
+          + (f", CUDA libraries' workspaces {format_bytes(fb['runtime'])}" if "runtime" in fb else "")
+          + f"); checkpoint-all peak {format_bytes(baseline_peak(graph))}")
     print(f"time       forward {fwd * 1e3:.4g} ms, loss {loss * 1e3:.4g} ms, backward {bwd * 1e3:.4g} ms ({how})")
     print(f"trace      {secs['total']:.2f} s (capture {secs['capture']:.2f} s, profiling {secs['profile']:.2f} s = "
           f"{100 * secs['profile'] / secs['total'] if secs['total'] else 0:.0f}%)")

@@ -372,7 +372,7 @@ class _Run(RunBase):
                 lv.outputs = None
                 hc = self.host.get(v)
                 if hc is not None and hc.live is lv:
-                    for h in lv.held:   # on the host now; the graph stays for v's backward
+                    for h, _ in hc.handles:   # on the host now; the graph stays for v's backward
                         h.t = None
                 elif lv.owns_tensors:
                     del self.live[v]
@@ -504,7 +504,8 @@ class _Run(RunBase):
                 producer_inputs.setdefault(storage_key(x), i)
         outputs = []
         for n, t in lv.outputs.items():
-            if not isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor) or t.device != self.device:
+                # not on the device (a CPU scalar a stage returns beside CUDA tensors): nothing to move
                 outputs.append((n, ("value", t)))
             elif storage_key(t) in lv.foreign or storage_key(t) in self.static:
                 src = producer_inputs.get(storage_key(t))
@@ -514,7 +515,7 @@ class _Run(RunBase):
                 outputs.append((n, ("ref", src, t.size(), t.stride(), t.storage_offset())))
             else:
                 outputs.append((n, ("host", moved.add(t), t.requires_grad)))
-        handles = [(h, moved.add(h.t)) for h in lv.held]
+        handles = [(h, moved.add(h.t)) for h in lv.held if h.t.device == self.device]
         self.wait(v)
         buffers, event = self.transfers.to_host(moved.storages)
         self.host[v] = _HostCopy(lv, buffers, outputs, handles)

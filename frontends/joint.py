@@ -55,6 +55,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -66,7 +67,7 @@ from remat.errors import InvalidInputError
 from remat.graph import Graph, Node
 
 from .capture import CaptureError, quiet_torch_logs
-from .measure import StorageTracker
+from .measure import AllocatorWindow, LibraryWorkspaces, StorageTracker, on_autograd_thread
 from .profile import FlopsModel, Timer, is_random
 
 log = logging.getLogger(__name__)
@@ -423,14 +424,25 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
     def lookup(x: fx.Node) -> Any:
         g = prog.group_of[x]
         return const[x] if g == STATIC else values[g][x]
+
+    def run_groups(groups: range) -> None:
+        for g in groups:
+            values[g] = prog.run(g, lookup)
+            for f in frees[g]:
+                values.pop(f, None)
+    if device.type == "cuda":
+        # a first pass on the threads the executor uses (the backward nodes on autograd's
+        # device thread) makes what the CUDA libraries keep: cuBLAS workspaces, not any node's
+        split = prog.kinds.index("loss") + 1
+        with torch.no_grad():
+            run_groups(range(split))
+        on_autograd_thread(lambda: run_groups(range(split, n)), device)
+        values.clear()
     with torch.no_grad(), tracker:
         for g in range(n):
             m0 = tracker.mark()
             counter = FlopCounterMode(display=False) if flops else None
-            if counter is not None:
-                with counter:
-                    local = prog.run(g, lookup)
-            else:
+            with (counter or nullcontext()), AllocatorWindow(device) as alloc:
                 local = prog.run(g, lookup)
             for node, _, _ in prog.sinks[g]:      # to .grad or a buffer at once (not applied here)
                 if node not in prog.keep[g]:
@@ -439,7 +451,8 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
             kept = sum(tracker.new_live(m0).values())
             p = profs[g]
             p.bytes = kept
-            p.workspace = max(0, tracker.peak_between(m0) - kept)
+            # on CUDA also what kernels allocate internally (cuDNN's workspaces, say)
+            p.workspace = max(0, tracker.peak_between(m0) - kept) + alloc.hidden(tracker.peak_between(m0))
             p.alloc_bytes = sum(d for _, d in tracker.events[m0:] if d > 0)
             p.flops = counter.get_total_flops() if counter is not None else 0
             del local
@@ -497,7 +510,8 @@ def trace_joint(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable |
             groups, static, kinds = discover_groups(cap, const)
             prog = build_program(cap, groups, static, kinds)
             prog.run_static(const)
-            profs = profile_program(prog, const, profile == "flops", profile == "measure", dev, warmup, repeats)
+            with LibraryWorkspaces(dev) as libs:
+                profs = profile_program(prog, const, profile == "flops", profile == "measure", dev, warmup, repeats)
     except (InvalidInputError, CaptureError):
         raise
     except Exception as e:  # noqa: BLE001
@@ -508,7 +522,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable |
             for b, saved in snapshot:
                 b.copy_(saved)
     t_profile = time.perf_counter() - t0
-    fixed, breakdown = fixed_bytes(model, args, kwargs, optimizer)
+    fixed, breakdown = fixed_bytes(model, args, kwargs, optimizer, runtime=libs.bytes if dev.type == "cuda" else None)
     nodes = []
     for g, (members, kind, p) in enumerate(zip(prog.groups, prog.kinds, profs)):
         head = members[0]

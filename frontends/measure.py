@@ -16,7 +16,9 @@ allocates.  On CUDA pass ``device="cuda"`` to read the caching allocator's
 """
 from __future__ import annotations
 
+import gc
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -25,7 +27,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker", "measure_peak", "measure", "Measurement", "storage_key", "storage_bytes", "unique_bytes"]
+__all__ = ["StorageTracker", "measure_peak", "measure", "Measurement", "storage_key", "storage_bytes", "unique_bytes",
+           "block_bytes", "AllocatorWindow", "LibraryWorkspaces", "untracked_device_bytes",
+           "unowned_bytes", "on_autograd_thread"]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -33,8 +37,20 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
+
+
+def block_bytes(nbytes: int, device: torch.device) -> int:
+    """Bytes a storage of `nbytes` takes on `device`: on CUDA rounded up to the caching
+    allocator's 512-byte blocks (what ``memory_allocated`` counts), elsewhere exact."""
+    if device.type == "cuda":
+        return max(CUDA_BLOCK, -(-int(nbytes) // CUDA_BLOCK) * CUDA_BLOCK)
+    return int(nbytes)
+
+
 def storage_bytes(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().nbytes())
+    """Bytes of `t`'s storage as its device holds them (`block_bytes`)."""
+    return block_bytes(t.untyped_storage().nbytes(), t.device)
 
 
 def unique_bytes(tensors: Iterable[Any]) -> int:
@@ -102,7 +118,7 @@ class StorageTracker(TorchDispatchMode):
         key = st._cdata
         if key in self.live or key in self.ignored:
             return
-        nb = int(st.nbytes())
+        nb = storage_bytes(t)
         uid = self._next_uid
         self._next_uid += 1
         self.live[key] = (uid, nb)
@@ -138,6 +154,123 @@ class StorageTracker(TorchDispatchMode):
         return out
 
 
+class AllocatorWindow:
+    """The CUDA caching allocator over a block: ``peak`` and ``end`` are the most and the last
+    allocated bytes, relative to the start (both 0 off CUDA).  Beside a `StorageTracker` it
+    shows what kernels allocate internally, which no tensor-level accounting sees (cuDNN's
+    convolution workspaces, attention kernels' scratch buffers): `hidden`.  Allocations are
+    counted when they are made, on the host, so no synchronisation is needed."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.peak = self.end = self.start = 0
+
+    def __enter__(self) -> "AllocatorWindow":
+        if self.cuda:
+            self.start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.cuda:
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.start
+            self.end = torch.cuda.memory_allocated(self.device) - self.start
+        return False
+
+    def hidden(self, visible_peak: int) -> int:
+        """Bytes above `visible_peak` (the tracker's peak over the same block) at the
+        allocator's peak: kernels' internal allocations."""
+        return max(0, self.peak - visible_peak) if self.cuda else 0
+
+
+class LibraryWorkspaces:
+    """Device bytes the CUDA libraries keep once a step has run: cuBLAS (and cuBLASLt) hold a
+    workspace per thread and stream that ran a matrix product (32 MiB and more on Hopper),
+    allocated through PyTorch's caching allocator and counted by ``max_memory_allocated``.
+    A training step needs two: one on the thread that runs the forward, one on autograd's
+    device thread that runs the backward.  Use as ``with LibraryWorkspaces(dev) as w: <run the
+    step's kernels on those threads>``, then ``w.bytes`` = `untracked_device_bytes` after the
+    block: the allocated bytes no live tensor holds (workspaces made before the block count
+    too: they stay resident through the step).  0 off CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bytes = 0
+
+    def __enter__(self) -> "LibraryWorkspaces":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.device.type == "cuda" and exc[0] is None:
+            self.bytes = untracked_device_bytes(self.device)
+        return False
+
+
+def untracked_device_bytes(device: torch.device) -> int:
+    """Bytes in the CUDA caching allocator's live blocks on `device` that no Python-visible
+    tensor (nor its ``.grad``) has its storage in: the libraries' workspaces, and whatever C++
+    alone keeps (an autograd graph still referenced).  From ``torch.cuda.memory_snapshot``:
+    a storage starts at its block's address, so tensors that hold no device memory (fake
+    tensors of a captured graph) match no block.  Collects garbage first; 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    torch.cuda.synchronize(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    blocks = {b["address"]: b["size"] for seg in torch.cuda.memory_snapshot() if seg.get("device") == index
+              for b in seg.get("blocks", ()) if b.get("state") == "active_allocated"}
+    with warnings.catch_warnings():
+        # isinstance on every live object touches deprecated module attributes that warn
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return unowned_bytes(blocks, tensors, "cuda")
+
+
+def unowned_bytes(blocks: dict[int, int], tensors: Iterable[Any], device_type: str) -> int:
+    """Bytes of the allocator blocks ``{address: size}`` in which none of `tensors` (nor their
+    leaves' ``.grad``) on `device_type` has its storage; tensors without real storage (fake
+    tensors, sparse ones) are skipped."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - every supported torch has it
+        FakeTensor = ()
+    blocks = dict(blocks)
+    for o in tensors:
+        if isinstance(o, FakeTensor):
+            continue
+        try:
+            ts = [o]
+            if o.is_leaf and o.requires_grad and o.grad is not None:
+                ts.append(o.grad)
+            for t in ts:
+                if t.device.type == device_type:
+                    blocks.pop(t.untyped_storage().data_ptr(), None)
+        except Exception:  # noqa: BLE001 - no real storage: holds no block
+            continue
+    return int(sum(blocks.values()))
+
+
+class _OnAutogradThread(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.fn()
+        return g, None
+
+
+def on_autograd_thread(fn: Callable[[], Any], device: torch.device) -> None:
+    """Call `fn` where autograd runs a backward on `device`: on CUDA its device thread (as the
+    executors' backward runs), elsewhere the calling thread."""
+    x = torch.zeros((), device=device, requires_grad=True)
+    with torch.enable_grad():
+        _OnAutogradThread.apply(x, fn).backward()
+
+
 def measure_peak(step_fn: Callable[[], Any], resident: Iterable[Any] = (), device: "str | torch.device | None" = None) -> int:
     """Peak bytes of one call of `step_fn` (a training step, say).
 
@@ -148,6 +281,7 @@ def measure_peak(step_fn: Callable[[], Any], resident: Iterable[Any] = (), devic
     """
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda":
+        gc.collect()    # garbage from earlier steps (reference cycles) is not this call's
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         step_fn()

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from .measure import StorageTracker, storage_bytes, storage_key, unique_bytes
+from .measure import AllocatorWindow, StorageTracker, storage_bytes, storage_key, unique_bytes
 
 
 @dataclass
@@ -217,10 +217,14 @@ def profile_runner(runner: Runner, *, device: torch.device, ignore: list, measur
 
     # no garbage collection in the middle of the measured run: storages are released when
     # their last reference goes, deterministically
+    if device.type == "cuda":
+        # a first run makes what the CUDA libraries keep (cuBLAS workspaces, handles): not
+        # this stage's workspace (`LibraryWorkspaces` counts them for the whole step)
+        _warm_run(runner, grad_outputs)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        prof, outs, gouts = _measured_run(runner, ignore, grad_outputs, flops)
+        prof, outs, gouts = _measured_run(runner, ignore, grad_outputs, flops, device)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -246,8 +250,16 @@ def profile_runner(runner: Runner, *, device: torch.device, ignore: list, measur
     return prof, outs
 
 
+def _warm_run(runner: Runner, grad_outputs: Callable[[list], list] | None) -> None:
+    args, leaves, _ = runner.make_inputs()
+    diff = _diff(runner.forward(args))
+    if diff:
+        _backward(diff, grad_outputs(diff) if grad_outputs else [torch.ones_like(o) for o in diff], leaves,
+                  runner.params)
+
+
 def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], list] | None,
-                  flops: bool) -> tuple[StageProfile, list, list | None]:
+                  flops: bool, device: torch.device = torch.device("cpu")) -> tuple[StageProfile, list, list | None]:
     prof = StageProfile()
     args, leaves, clones = runner.make_inputs()
     tracker = StorageTracker(record_events=True)
@@ -272,7 +284,8 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
     counter_b = _flop_counter() if flops else None
     with tracker:
         m0 = tracker.mark()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (counter_f or _null()):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (counter_f or _null()), \
+                AllocatorWindow(device) as alloc_f:
             outs = runner.forward(args)
         m1 = tracker.mark()
         diff = _diff(outs)
@@ -285,7 +298,8 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
         prof.saves_output = any(k in saved for k in own_out)
         prof.retained_bytes = sum(tracker.new_live(m0).values())
         kept = max(prof.output_bytes + prof.saved_bytes, prof.retained_bytes)
-        prof.fwd_workspace = max(0, tracker.peak_between(m0, m1) - kept)
+        # on CUDA also what the kernels allocate internally (cuDNN's workspaces, say)
+        prof.fwd_workspace = max(0, tracker.peak_between(m0, m1) - kept) + alloc_f.hidden(tracker.peak_between(m0, m1))
         prof.fwd_alloc_bytes = sum(d for _, d in tracker.events[m0:m1] if d > 0)
         saved_inputs = {input_keys[k] for k in saved if k in input_keys}
         prof.saves_input = [k in saved_inputs for k in range(len(runner.values))]
@@ -294,7 +308,7 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
         gouts = grad_outputs(diff) if grad_outputs else [torch.ones_like(o) for o in diff]
         gout_keys = {storage_key(g) for g in gouts or []}
         mb = tracker.mark()
-        with (counter_b or _null()):
+        with (counter_b or _null()), AllocatorWindow(device) as alloc_b:
             grads = _backward(diff, gouts, leaves, runner.params)
         m2 = tracker.mark()
         # gradients w.r.t. the inputs: counted in full even when one passes an incoming
@@ -306,7 +320,8 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
         artefacts = {tracker.uid(leaf.grad) for leaf in leaves
                      if leaf.grad is not None and storage_key(leaf.grad) not in in_keys} - {None}
         prof.param_grad_bytes = unique_bytes(p.grad for p in runner.params if p.grad is not None)
-        prof.bwd_workspace = max(0, tracker.peak_between(mb, m2, exclude=artefacts) - new_grad_bytes)
+        prof.bwd_workspace = (max(0, tracker.peak_between(mb, m2, exclude=artefacts) - new_grad_bytes)
+                              + alloc_b.hidden(tracker.peak_between(mb, m2)))
         prof.bwd_alloc_bytes = sum(d for k, d in tracker.events[mb:m2] if d > 0 and k not in artefacts)
         plain = [(o.detach(), o.requires_grad) if isinstance(o, torch.Tensor) else (o, False) for o in outs]
         del grads, outs, diff

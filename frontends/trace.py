@@ -36,7 +36,7 @@ from remat.errors import InvalidInputError
 from remat.graph import DEFAULT_BANDWIDTH, Graph, Node
 
 from .capture import CaptureError, Captured, capture
-from .measure import unique_bytes
+from .measure import LibraryWorkspaces, unique_bytes
 from .profile import FlopsModel, Runner, StageProfile, is_random, profile_runner, release_plan, run_nodes, writes_of
 from .stages import Stage, cut
 
@@ -138,16 +138,17 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
             log.info("captured %s with %s: %d ops in %d stages (%.2f s)", model_name, cap.method,
                      sum(len(s.nodes) for s in stages), len(stages), t_capture)
             t0 = time.perf_counter()
-            profs, loss_prof, rng_flags, mutated = _profile_all(
-                cap, stages, model, args, loss, dev, profile == "measure", warmup, repeats,
-                profile == "flops", progress, model_name)
+            with LibraryWorkspaces(dev) as libs:
+                profs, loss_prof, rng_flags, mutated = _profile_all(
+                    cap, stages, model, args, loss, dev, profile == "measure", warmup, repeats,
+                    profile == "flops", progress, model_name)
             t_profile = time.perf_counter() - t0
     finally:
         with torch.no_grad():
             for b, saved in snapshot:
                 b.copy_(saved)
 
-    fixed, breakdown = fixed_bytes(model, args, kwargs, optimizer)
+    fixed, breakdown = fixed_bytes(model, args, kwargs, optimizer, runtime=libs.bytes if dev.type == "cuda" else None)
     graph = _assemble(cap, stages, profs, loss_prof, rng_flags, mutated, profile, flops_model, fixed,
                       backward_edges=backward_edges, meta={
         **step_meta(model, args, kwargs, dev, model_name, profile, repeats, warmup, flops_model, loss, optimizer,
@@ -280,9 +281,10 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 # ---- fixed bytes and bandwidth ---------------------------------------------------------------
 def fixed_bytes(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
-                optimizer: str | None = None) -> tuple[int, dict]:
+                optimizer: str | None = None, runtime: int | None = None) -> tuple[int, dict]:
     """(total, breakdown): parameters, gradients, buffers, inputs, optimizer state; each storage
-    counted once (shared parameters, views)."""
+    counted once (shared parameters, views).  `runtime` (CUDA only, `LibraryWorkspaces`): the
+    device bytes the CUDA libraries keep for the step, in the breakdown as ``runtime``."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     p_bytes = unique_bytes(params)
@@ -294,6 +296,8 @@ def fixed_bytes(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = 
     o_bytes = OPTIMIZER_STATE.get(optimizer or "", 0) * g_bytes
     breakdown = {"parameters": p_bytes, "gradients": g_bytes, "buffers": b_bytes, "inputs": i_bytes,
                  "optimizer": o_bytes}
+    if runtime is not None:
+        breakdown["runtime"] = int(runtime)
     return sum(breakdown.values()), breakdown
 
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .measure import block_bytes
+
 __all__ = ["HostPool", "Transfers", "StorageSet"]
 
 
@@ -58,12 +60,14 @@ class HostPool:
     def __init__(self, pin: bool):
         self.pin = pin
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self._used: list[torch.Tensor] = []
+        self._used: list[tuple[torch.Tensor, int]] = []   # (buffer, bytes counted)
         self.in_use = 0
         self.peak = 0
         self.capacity = 0
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int, counted: int | None = None) -> torch.Tensor:
+        """A buffer of `nbytes`; `counted` (default `nbytes`) is what it adds to the step's host
+        bytes (the device bytes it stands for)."""
         free = self._free[nbytes]
         if free:
             buf = free.pop()
@@ -71,13 +75,13 @@ class HostPool:
             with _disable_current_modes():
                 buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
             self.capacity += nbytes
-        self._used.append(buf)
-        self.in_use += nbytes
+        self._used.append((buf, nbytes if counted is None else counted))
+        self.in_use += nbytes if counted is None else counted
         self.peak = max(self.peak, self.in_use)
         return buf
 
     def release_all(self) -> None:
-        for buf in self._used:
+        for buf, _ in self._used:
             self._free[buf.numel()].append(buf)
         self._used.clear()
         self.in_use = 0
@@ -112,7 +116,8 @@ class Transfers:
 
     def to_host(self, storages: list) -> tuple[list[torch.Tensor], Any]:
         """Start copying device `storages` (UntypedStorage) into pool buffers: (buffers, event)."""
-        bufs = [self.pool.take(int(s.nbytes())) for s in storages]
+        # counted as the device bytes they free (the allocator's blocks), as the plan counts them
+        bufs = [self.pool.take(int(s.nbytes()), block_bytes(s.nbytes(), self.device)) for s in storages]
 
         def copy() -> None:
             for s, b in zip(storages, bufs):

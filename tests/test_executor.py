@@ -419,6 +419,9 @@ def test_cuda_swap_plan_matches_autograd_and_max_memory_allocated(solver):
     model = DropoutMLP(width=1024, layers=8).to(dev)
     inputs = (torch.randn(512, 1024, device=dev),)
     graph = remat.trace(model, inputs, profile="flops")
+    # the cuBLAS workspaces of the forward's and the backward's threads are fixed bytes too (65 MiB
+    # on an H200 with torch 2.11: without them every measured peak was that much above the plan's)
+    assert graph.meta["fixed_breakdown"]["runtime"] > 0
     full = remat.plan(graph, "1.0x", solver="checkpoint-all")
     plan = _plan_at(graph, _activation_budget(graph, full, 0.4), solver=solver, swap=True, bandwidth=SWAP_BANDWIDTH)
     assert any(o.op == "swap_out" for o in plan.schedule.ops)

@@ -514,3 +514,56 @@ def test_import_remat_does_not_import_torch():
     code = ("import sys, remat; assert 'torch' not in sys.modules, 'torch imported'; "
             "remat.trace; assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_block_bytes_round_cuda_storages_to_the_allocators_512_byte_blocks():
+    from remat.frontends.measure import block_bytes
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [block_bytes(n, cuda) for n in (0, 1, 512, 513, 4096 + 1)] == [512, 512, 512, 1024, 4608]
+    assert [block_bytes(n, cpu) for n in (0, 1, 513)] == [0, 1, 513]
+
+
+def test_unowned_bytes_are_the_blocks_no_live_tensor_holds():
+    # what remat.trace counts as the CUDA libraries' workspaces: allocator blocks no tensor (nor a
+    # leaf's .grad) starts in; views and fake tensors of a captured graph own nothing extra
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from remat.frontends.measure import unowned_bytes
+    p = torch.nn.Parameter(torch.randn(64))
+    p.grad = torch.zeros(64)
+    x = torch.randn(8, 8)
+    view = x[2:]
+    with FakeTensorMode():
+        fake = torch.empty(1000)
+    blocks = {p.data_ptr(): 512, p.grad.data_ptr(): 512, x.data_ptr(): 512, 12345: 32 << 20, 67890: 1 << 20}
+    assert unowned_bytes(blocks, [p, view, fake], "cpu") == (32 << 20) + (1 << 20)
+    assert unowned_bytes(blocks, [p], "cpu") == (32 << 20) + (1 << 20) + 512        # x's block is nobody's
+    assert unowned_bytes(blocks, [p, x], "cuda") == sum(blocks.values())            # another device's tensors
+    p.grad = None
+    assert unowned_bytes(blocks, [p, x], "cpu") == (32 << 20) + (1 << 20) + 512     # the grad's block
+
+
+def test_runtime_bytes_and_allocator_windows_are_cuda_only():
+    from remat.frontends.measure import AllocatorWindow, LibraryWorkspaces, untracked_device_bytes
+    cpu = torch.device("cpu")
+    with LibraryWorkspaces(cpu) as libs, AllocatorWindow(cpu) as w:
+        torch.randn(256, 256) @ torch.randn(256, 256)
+    assert libs.bytes == 0 and w.peak == 0 and w.hidden(0) == 0 and untracked_device_bytes(cpu) == 0
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    g = remat.trace(model, (torch.randn(2, 8),), profile="flops")
+    assert "runtime" not in g.meta["fixed_breakdown"]   # only a CUDA trace measures the libraries
+
+
+def test_host_pool_counts_what_each_buffer_stands_for_and_reuses_buffers_by_size():
+    # a swapped-out CUDA storage of 100 bytes frees a 512-byte block: the pool counts 512 (as the
+    # plan does) but holds a 100-byte buffer, handed out again in the next step
+    from remat.frontends.measure import on_autograd_thread
+    from remat.frontends.transfer import HostPool
+    pool = HostPool(pin=False)
+    a = pool.take(100, counted=512)
+    b = pool.take(64)
+    assert a.numel() == 100 and b.numel() == 64 and pool.in_use == pool.peak == 576 and pool.capacity == 164
+    pool.release_all()
+    assert pool.in_use == 0 and pool.take(100, counted=512) is a and pool.capacity == 164
+    called = []
+    on_autograd_thread(lambda: called.append(torch.is_grad_enabled()), torch.device("cpu"))
+    assert called == [False]   # run as a backward runs: grad mode off

@@ -1,0 +1,56 @@
+#!/bin/bash
+# The device check in one call (issue 4's CUDA path): run on a GPU machine from the repo root,
+# with the wheels that machine lacks in .whl/ (README "On a GPU"). Make them here, once:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pulp==3.3.2 highspy==1.16.0
+#   1. installs them and remat into /tmp/site (no network there),
+#   2. the CUDA tests of tests/test_executor.py,
+#   3. benchmarks/gpu_swap_timeline.py (the swap test's plans op by op),
+#   4. benchmarks/gpu_check.py --timeline (plans on CUDA against max_memory_allocated, step times,
+#      and op-by-op bytes),
+#   5. the default suite on 14 workers, to see what differs with a GPU present.
+# Every part has its own time cap (T_TESTS, T_SWAP, T_CHECK, T_SUITE seconds; 0 skips the
+# swap timeline or the suite); logs and figures go to $OUT (default benchmarks/out/device).
+set -u
+OUT=${OUT:-benchmarks/out/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+T_TESTS=${T_TESTS:-150}
+T_SWAP=${T_SWAP:-60}
+T_CHECK=${T_CHECK:-210}
+T_SUITE=${T_SUITE:-100}
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
+
+stamp install
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheels did not install"; exit 1; }
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . \
+  || { echo "remat did not install"; exit 1; }
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, pulp, remat; print('torch', torch.__version__, torch.cuda.get_device_name(), 'pulp', pulp.__version__)"
+} 2>&1 | tee "$OUT/cuda_tests.log"
+
+stamp "CUDA tests"
+timeout "$T_TESTS" python3 -m pytest -p no:cacheprovider -q -rs --show-capture=no tests/test_executor.py -k cuda 2>&1 \
+  | tee -a "$OUT/cuda_tests.log"
+
+if [ "$T_SWAP" -gt 0 ]; then
+stamp "swap timeline"
+timeout "$T_SWAP" python3 benchmarks/gpu_swap_timeline.py --out "$OUT" 2>&1 | tee "$OUT/swap_timeline.log"
+fi
+
+stamp gpu_check
+timeout "$T_CHECK" python3 benchmarks/gpu_check.py --out "$OUT" ${GPU_CHECK_ARGS:---time-limit 8 --threads 4 --timeline} \
+  2>&1 | tee "$OUT/gpu_check.log"
+
+if [ "$T_SUITE" -gt 0 ]; then
+stamp "default suite"
+# -v: one line a test as it ends, so a run cut by its time cap still says which failed
+timeout "$T_SUITE" python3 -m pytest -p no:cacheprovider -v --tb=short --show-capture=no -n 14 \
+  -m "not slow and not notebooks" > "$OUT/suite.log" 2>&1
+grep -E "FAILED|ERROR|passed|failed" "$OUT/suite.log" | tail -30
+fi
+stamp done
