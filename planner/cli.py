@@ -320,7 +320,8 @@ def _add_solver_options(p: argparse.ArgumentParser, time_limit: float) -> None:
                    help=f"solver time limit per solve (default {time_limit:g})")
     p.add_argument("--gap", type=_nonneg_float, default=0.0,
                    help="relative optimality gap at which the ILP may stop (default 0: prove optimality)")
-    p.add_argument("--threads", type=_positive_int, default=None, help="solver threads (ILP; 2 or more: the scalable mode solves its instant IP in a second process)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="solver threads (ILP; 2 or more: the scalable mode solves its instant IP in a second "
+                        "process; default: the scalable mode takes 2 where two cores are free, else 1)")
     p.add_argument("--backend", choices=("cbc", "highs"), default=None, help="MILP backend of the ILP")
     p.add_argument("--mode", choices=("auto", "exact", "scalable"), default="auto",
                    help="ILP: the exact model on the whole graph, the scalable mode (coarsen, solve, expand, "

@@ -526,3 +526,18 @@ def test_the_split_bound_proves_what_the_whole_instant_ip_leaves_open(monkeypatc
     assert r["split_bound"]["cuts"][0] == instant_ip.split_candidates(g, budget)[0]
     assert r["lower_bound"] == pytest.approx(595.0) and fits(g, s, budget).time == pytest.approx(595.0)
     assert r["status"] == "optimal" and "split at tight instants" in r["bound_from"]
+
+
+def test_default_threads_are_two_where_two_cores_are_free(monkeypatch):
+    # remat plan / remat.plan name no threads: the scalable mode takes the benchmarks' two (the
+    # instant IP's worker beside the search) where the process has two cores, one on a single core
+    monkeypatch.setattr(ilp_scalable.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert ilp_scalable.default_threads() == 2
+    monkeypatch.setattr(ilp_scalable.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert ilp_scalable.default_threads() == 1
+    seen = []
+    monkeypatch.setattr(ilp_scalable, "_search", lambda graph, budget, workers, **kw: seen.append(kw["threads"]))
+    monkeypatch.setattr(ilp_scalable, "default_threads", lambda: 2)
+    ilp_scalable.solve(linear_chain(4), 10**9, time_limit=1)
+    ilp_scalable.solve(linear_chain(4), 10**9, time_limit=1, threads=1)
+    assert seen == [2, 1]
