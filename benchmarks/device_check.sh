@@ -8,17 +8,20 @@
 #   2. the CUDA tests of tests/test_executor.py,
 #   3. benchmarks/gpu_swap_timeline.py (the swap test's plans op by op),
 #   4. benchmarks/gpu_check.py --timeline (plans on CUDA against max_memory_allocated, step times,
-#      and op-by-op bytes),
+#      and op-by-op bytes), then again at batch 256 (gpu_check_big.csv: step times with larger kernels),
 #   5. the default suite on 14 workers, to see what differs with a GPU present.
-# Every part has its own time cap (T_TESTS, T_SWAP, T_CHECK, T_SUITE seconds; 0 skips the
-# swap timeline or the suite); logs and figures go to $OUT (default benchmarks/out/device).
+# Every part has its own time cap (T_TESTS, T_SWAP, T_CHECK, T_BIG, T_SUITE seconds; 0 skips the
+# swap timeline, the large batch or the suite); the log is device.log, figures beside it, in $OUT
+# (default benchmarks/out/device): at most 8 files, what the device tool brings back.
+# The defaults add up to about 8.5 minutes with the install: within one device call of 10.
 set -u
 OUT=${OUT:-benchmarks/out/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-T_TESTS=${T_TESTS:-150}
-T_SWAP=${T_SWAP:-60}
-T_CHECK=${T_CHECK:-210}
+T_TESTS=${T_TESTS:-90}
+T_SWAP=${T_SWAP:-90}
+T_CHECK=${T_CHECK:-120}
+T_BIG=${T_BIG:-90}
 T_SUITE=${T_SUITE:-100}
 start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
@@ -31,20 +34,26 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
   || { echo "remat did not install"; exit 1; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, pulp, remat; print('torch', torch.__version__, torch.cuda.get_device_name(), 'pulp', pulp.__version__)"
-} 2>&1 | tee "$OUT/cuda_tests.log"
+} 2>&1 | tee "$OUT/device.log"
 
 stamp "CUDA tests"
 timeout "$T_TESTS" python3 -m pytest -p no:cacheprovider -q -rs --show-capture=no tests/test_executor.py -k cuda 2>&1 \
-  | tee -a "$OUT/cuda_tests.log"
+  | tee -a "$OUT/device.log"
 
 if [ "$T_SWAP" -gt 0 ]; then
 stamp "swap timeline"
-timeout "$T_SWAP" python3 benchmarks/gpu_swap_timeline.py --out "$OUT" 2>&1 | tee "$OUT/swap_timeline.log"
+timeout "$T_SWAP" python3 benchmarks/gpu_swap_timeline.py --out "$OUT" 2>&1 | tee -a "$OUT/device.log"
 fi
 
 stamp gpu_check
 timeout "$T_CHECK" python3 benchmarks/gpu_check.py --out "$OUT" ${GPU_CHECK_ARGS:---time-limit 8 --threads 4 --timeline} \
-  2>&1 | tee "$OUT/gpu_check.log"
+  2>&1 | tee -a "$OUT/device.log"
+
+if [ "$T_BIG" -gt 0 ]; then
+stamp "gpu_check, large batch (time where kernels, not launches, take it)"
+timeout "$T_BIG" python3 benchmarks/gpu_check.py --out "$OUT" --tag _big --batch 256 --budgets 1.0,0.5 \
+  --models resnet18,gpt2 --time-limit 8 --threads 4 2>&1 | tee -a "$OUT/device.log"
+fi
 
 if [ "$T_SUITE" -gt 0 ]; then
 stamp "default suite"

@@ -6,7 +6,7 @@ plan with the ILP (swap on) at budgets 1.0x, 0.7x, 0.5x, 0.3x of the checkpoint-
 steps with `remat.apply` and compare ``torch.cuda.max_memory_allocated`` with the predicted
 peak; step times against plain training and against checkpointing every block with
 ``torch.utils.checkpoint`` (non-reentrant), all measured side by side in this one run.
-Writes ``gpu_check.csv`` and ``gpu_check.png`` to --out (default $OUT, else benchmarks/out).
+Writes ``gpu_check<tag>.csv`` and ``gpu_check<tag>.png`` to --out (default $OUT, else benchmarks/out).
 
     python benchmarks/gpu_check.py                          # CUDA, the default models
     python benchmarks/gpu_check.py --device cpu --quick     # the same logic on the CPU (small)
@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=20.0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="zoo defaults (tiny), for a dry run on the CPU")
+    ap.add_argument("--tag", default="", help="suffix of the files written (gpu_check<tag>.csv, ...)")
     ap.add_argument("--timeline", action="store_true",
                     help="also write gpu_timeline.csv: predicted and measured device bytes op by op, every plan")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "out"))
@@ -258,11 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     rows: list[dict] = []
-    tl_file = open(out / "gpu_timeline.csv", "w", newline="") if args.timeline else None
+    tl_file = open(out / f"gpu_timeline{args.tag}.csv", "w", newline="") if args.timeline else None
     timeline = csv.DictWriter(tl_file, fieldnames=TIMELINE_COLUMNS) if tl_file else None
     if timeline:
         timeline.writeheader()
-    with open(out / "gpu_check.csv", "w", newline="") as f:
+    with open(out / f"gpu_check{args.tag}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         for name in args.models.split(","):
@@ -277,10 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     if tl_file:
         tl_file.close()
     if rows:
-        draw(rows, out / "gpu_check.png")
+        draw(rows, out / f"gpu_check{args.tag}.png")
     bad = [r for r in rows if abs(r["peak_error"]) > 0.10]
     print(f"{len(rows)} plans in {time.perf_counter() - t0:.0f} s; peak within 10 % of predicted: "
-          f"{len(rows) - len(bad)}/{len(rows)}; wrote {out / 'gpu_check.csv'}")
+          f"{len(rows) - len(bad)}/{len(rows)}; wrote {out / f'gpu_check{args.tag}.csv'}")
     return 1 if bad else 0
 
 
