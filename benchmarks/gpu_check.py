@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 import remat
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontends import default_loss, zoo
-from remat.frontends.measure import untracked_device_bytes
+from remat.frontends.measure import untracked_blocks
 from remat.frontends.run import random_batch, run_plan
 
 COLUMNS = ("model", "nodes", "budget", "budget_bytes", "note", "solver_status", "predicted_peak", "measured_peak",
@@ -123,6 +123,10 @@ def op_timeline(model: nn.Module, example: tuple, plan, device: torch.device) ->
     planned = remat.apply(model, plan, example)
     planned(*example).backward()
     model.zero_grad(set_to_none=False)
+    blocks = untracked_blocks(device)   # after one step: what the step itself leaves or makes
+    if blocks:
+        print(f"  after a warm-up step: untracked blocks (bytes) {sorted(blocks.values(), reverse=True)[:12]}",
+              flush=True)
     sim = remat.simulate(plan.graph, plan.schedule, timeline=True).timeline
     got: list[tuple] = []
     cuda = device.type == "cuda"
@@ -180,7 +184,13 @@ def check_model(name: str, args: argparse.Namespace, device: torch.device, write
             mine = copy.deepcopy(model)
             with _Alone(model, device):
                 # device bytes no tensor holds as the run starts, against the trace's `runtime`
-                untracked = untracked_device_bytes(device)
+                # (and the blocks, largest first: a library's workspace is one block of MiB)
+                blocks = untracked_blocks(device)
+                untracked = sum(blocks.values())
+                if blocks:
+                    print(f"{name} {b}x: untracked blocks at the run's start (bytes): "
+                          f"{sorted(blocks.values(), reverse=True)[:12]}; the trace's runtime "
+                          f"{graph.meta['fixed_breakdown'].get('runtime')}", flush=True)
                 rep = run_plan(mine, example, plan, steps=args.steps, device=device, plain=False)
                 if timeline is not None:
                     for r in op_timeline(mine, example, plan, device):

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ["StorageTracker", "measure_peak", "measure", "Measurement", "storage_key", "storage_bytes", "unique_bytes",
            "block_bytes", "AllocatorWindow", "LibraryWorkspaces", "untracked_device_bytes",
-           "unowned_bytes", "on_autograd_thread"]
+           "untracked_blocks", "unowned_bytes", "on_autograd_thread"]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -213,8 +213,13 @@ def untracked_device_bytes(device: torch.device) -> int:
     alone keeps (an autograd graph still referenced).  From ``torch.cuda.memory_snapshot``:
     a storage starts at its block's address, so tensors that hold no device memory (fake
     tensors of a captured graph) match no block.  Collects garbage first; 0 off CUDA."""
+    return sum(untracked_blocks(device).values())
+
+
+def untracked_blocks(device: torch.device) -> dict[int, int]:
+    """The blocks `untracked_device_bytes` adds up, ``{address: bytes}`` ({} off CUDA)."""
     if device.type != "cuda":
-        return 0
+        return {}
     gc.collect()
     torch.cuda.synchronize(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -224,13 +229,18 @@ def untracked_device_bytes(device: torch.device) -> int:
         # isinstance on every live object touches deprecated module attributes that warn
         warnings.simplefilter("ignore")
         tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    return unowned_bytes(blocks, tensors, "cuda")
+    return unowned_blocks(blocks, tensors, "cuda")
 
 
 def unowned_bytes(blocks: dict[int, int], tensors: Iterable[Any], device_type: str) -> int:
     """Bytes of the allocator blocks ``{address: size}`` in which none of `tensors` (nor their
     leaves' ``.grad``) on `device_type` has its storage; tensors without real storage (fake
     tensors, sparse ones) are skipped."""
+    return sum(unowned_blocks(blocks, tensors, device_type).values())
+
+
+def unowned_blocks(blocks: dict[int, int], tensors: Iterable[Any], device_type: str) -> dict[int, int]:
+    """The blocks of `unowned_bytes`."""
     try:
         from torch._subclasses.fake_tensor import FakeTensor
     except ImportError:  # pragma: no cover - every supported torch has it
@@ -248,7 +258,7 @@ def unowned_bytes(blocks: dict[int, int], tensors: Iterable[Any], device_type: s
                     blocks.pop(t.untyped_storage().data_ptr(), None)
         except Exception:  # noqa: BLE001 - no real storage: holds no block
             continue
-    return int(sum(blocks.values()))
+    return blocks
 
 
 class _OnAutogradThread(torch.autograd.Function):
