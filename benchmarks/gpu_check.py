@@ -82,7 +82,7 @@ def time_steps(model: nn.Module, example: tuple, device: torch.device, steps: in
     gen = torch.Generator().manual_seed(1)
     times, peak = [], 0
     for k in range(steps + 1):
-        batch = random_batch(example, gen)
+        batch = random_batch(example, gen, device)
         opt.zero_grad(set_to_none=False)
         m = remat.measure(lambda: default_loss(model(*batch), *batch).backward(), device,
                           resident=list(model.parameters()) + list(model.buffers()) + list(batch)
@@ -120,6 +120,7 @@ def op_timeline(model: nn.Module, example: tuple, plan, device: torch.device) ->
     """Device bytes op by op in one step of `plan` (after a warm-up step): the simulator's
     against ``max_memory_allocated`` since the previous op and ``memory_allocated`` after it
     (synchronised at every op, so only the bytes are read, not the time)."""
+    example = tuple(x.to(device) for x in example)
     planned = remat.apply(model, plan, example)
     planned(*example).backward()
     model.zero_grad(set_to_none=False)
@@ -160,8 +161,10 @@ def check_model(name: str, args: argparse.Namespace, device: torch.device, write
     model, example = zoo.get(name, **overrides)
     example = example if isinstance(example, tuple) else (example,)
     model.to(device)
-    example = tuple(x.to(device) for x in example)
-    graph = remat.trace(model, example, profile="measure", device=device)
+    # the example stays on the host; each use takes its own device copy, so that no batch but
+    # the one trained on is resident while a plan is measured
+    example = tuple(x.cpu() for x in example)
+    graph = remat.trace(model, tuple(x.to(device) for x in example), profile="measure", device=device)
     bw = {"h2d": graph.meta.get("bandwidth_h2d"), "d2h": graph.meta.get("bandwidth_d2h")}
     plain_s, plain_peak = time_steps(model, example, device, args.steps)
     ckpt = checkpoint_blocks(model, graph)

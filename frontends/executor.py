@@ -220,6 +220,11 @@ class PlannedStep(PlannedBase):
                 f"(first difference at #{diff}: {names[diff] if diff < len(names) else None!r} vs "
                 f"{fwd[diff].name if diff < len(fwd) else None!r}): the plan belongs to another model/batch "
                 "shape; re-plan (remat.trace, remat.plan)")
+        # every call brings its own inputs (`_new_run`): the example's tensors are not kept (on a
+        # device they stayed resident beside each batch, one batch more than the plan counts)
+        for node, kind in cap.kinds.items():
+            if kind == "input":
+                cap.values[node] = None
         self._cap = cap
         self._m = len(stages)
         self._loss_id = next(v.id for v in graph.nodes if v.kind == "loss")

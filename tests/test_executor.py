@@ -465,3 +465,21 @@ def test_cuda_recompute_plans_match_autograd_and_max_memory_allocated(model_name
     peak = measure_peak(lambda: planned(*inputs).backward(), device=dev)
     predicted = plan.predicted["peak_bytes"]
     assert abs(peak - predicted) <= PEAK_TOLERANCE * predicted, (model_name, peak, predicted)
+
+
+@pytest.mark.parametrize("granularity", ["module", "joint"])
+def test_the_planned_module_keeps_no_reference_to_its_example_inputs(granularity):
+    # on CUDA a kept example is a batch resident beside every batch trained on, which the plan
+    # does not count (ResNet-18 at batch 32: 1.5 MiB above the prediction)
+    import gc
+    import weakref
+    model, inputs = _mlp()
+    graph = remat.trace(model, inputs, profile="flops", granularity=granularity)
+    plan = remat.plan(graph, "1.0x", solver="checkpoint-all")
+    example = tuple(x.clone() for x in inputs)
+    gone = weakref.ref(example[0])
+    planned = apply(model, plan, example)
+    del example
+    planned(*inputs).backward()
+    gc.collect()
+    assert gone() is None
