@@ -452,7 +452,8 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
             p = profs[g]
             p.bytes = kept
             # on CUDA also what kernels allocate internally (cuDNN's workspaces, say)
-            p.workspace = max(0, tracker.peak_between(m0) - kept) + alloc.hidden(tracker.peak_between(m0))
+            visible = tracker.peak_between(m0)
+            p.workspace = max(0, visible - kept) + alloc.hidden(visible)
             p.alloc_bytes = sum(d for _, d in tracker.events[m0:] if d > 0)
             p.flops = counter.get_total_flops() if counter is not None else 0
             del local

@@ -215,12 +215,12 @@ def profile_runner(runner: Runner, *, device: torch.device, ignore: list, measur
     timer = Timer(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    # no garbage collection in the middle of the measured run: storages are released when
-    # their last reference goes, deterministically
     if device.type == "cuda":
         # a first run makes what the CUDA libraries keep (cuBLAS workspaces, handles): not
         # this stage's workspace (`LibraryWorkspaces` counts them for the whole step)
         _warm_run(runner, grad_outputs)
+    # no garbage collection in the middle of the measured run: storages are released when
+    # their last reference goes, deterministically
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -299,7 +299,8 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
         prof.retained_bytes = sum(tracker.new_live(m0).values())
         kept = max(prof.output_bytes + prof.saved_bytes, prof.retained_bytes)
         # on CUDA also what the kernels allocate internally (cuDNN's workspaces, say)
-        prof.fwd_workspace = max(0, tracker.peak_between(m0, m1) - kept) + alloc_f.hidden(tracker.peak_between(m0, m1))
+        visible = tracker.peak_between(m0, m1)
+        prof.fwd_workspace = max(0, visible - kept) + alloc_f.hidden(visible)
         prof.fwd_alloc_bytes = sum(d for _, d in tracker.events[m0:m1] if d > 0)
         saved_inputs = {input_keys[k] for k in saved if k in input_keys}
         prof.saves_input = [k in saved_inputs for k in range(len(runner.values))]
