@@ -112,6 +112,15 @@ class _Alone:
         return False
 
 
+def report_untracked(label: str, device: torch.device) -> int:
+    """Print the allocator blocks no tensor holds (`untracked_blocks`), largest first (a
+    library's workspace is one block of MiB); their bytes (0 off CUDA)."""
+    blocks = untracked_blocks(device)
+    if blocks:
+        print(f"{label}: untracked blocks (bytes) {sorted(blocks.values(), reverse=True)[:12]}", flush=True)
+    return sum(blocks.values())
+
+
 TIMELINE_COLUMNS = ("model", "budget", "k", "op", "node", "node_name", "predicted_during", "predicted_after",
                     "measured_during", "measured_after")
 
@@ -124,10 +133,7 @@ def op_timeline(model: nn.Module, example: tuple, plan, device: torch.device) ->
     planned = remat.apply(model, plan, example)
     planned(*example).backward()
     model.zero_grad(set_to_none=False)
-    blocks = untracked_blocks(device)   # after one step: what the step itself leaves or makes
-    if blocks:
-        print(f"  after a warm-up step: untracked blocks (bytes) {sorted(blocks.values(), reverse=True)[:12]}",
-              flush=True)
+    report_untracked("  after a warm-up step", device)   # what the step itself leaves or makes
     sim = remat.simulate(plan.graph, plan.schedule, timeline=True).timeline
     got: list[tuple] = []
     cuda = device.type == "cuda"
@@ -187,13 +193,8 @@ def check_model(name: str, args: argparse.Namespace, device: torch.device, write
             mine = copy.deepcopy(model)
             with _Alone(model, device):
                 # device bytes no tensor holds as the run starts, against the trace's `runtime`
-                # (and the blocks, largest first: a library's workspace is one block of MiB)
-                blocks = untracked_blocks(device)
-                untracked = sum(blocks.values())
-                if blocks:
-                    print(f"{name} {b}x: untracked blocks at the run's start (bytes): "
-                          f"{sorted(blocks.values(), reverse=True)[:12]}; the trace's runtime "
-                          f"{graph.meta['fixed_breakdown'].get('runtime')}", flush=True)
+                untracked = report_untracked(f"{name} {b}x: at the run's start (the trace's runtime "
+                                             f"{graph.meta['fixed_breakdown'].get('runtime')})", device)
                 rep = run_plan(mine, example, plan, steps=args.steps, device=device, plain=False)
                 if timeline is not None:
                     for r in op_timeline(mine, example, plan, device):

@@ -118,7 +118,7 @@ class StorageTracker(TorchDispatchMode):
         key = st._cdata
         if key in self.live or key in self.ignored:
             return
-        nb = storage_bytes(t)
+        nb = block_bytes(st.nbytes(), t.device)
         uid = self._next_uid
         self._next_uid += 1
         self.live[key] = (uid, nb)
@@ -155,8 +155,8 @@ class StorageTracker(TorchDispatchMode):
 
 
 class AllocatorWindow:
-    """The CUDA caching allocator over a block: ``peak`` and ``end`` are the most and the last
-    allocated bytes, relative to the start (both 0 off CUDA).  Beside a `StorageTracker` it
+    """The CUDA caching allocator over a block: ``peak`` is the most allocated bytes, relative
+    to the start (0 off CUDA).  Beside a `StorageTracker` it
     shows what kernels allocate internally, which no tensor-level accounting sees (cuDNN's
     convolution workspaces, attention kernels' scratch buffers): `hidden`.  Allocations are
     counted when they are made, on the host, so no synchronisation is needed."""
@@ -164,7 +164,7 @@ class AllocatorWindow:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
-        self.peak = self.end = self.start = 0
+        self.peak = self.start = 0
 
     def __enter__(self) -> "AllocatorWindow":
         if self.cuda:
@@ -175,7 +175,6 @@ class AllocatorWindow:
     def __exit__(self, *exc) -> bool:
         if self.cuda:
             self.peak = torch.cuda.max_memory_allocated(self.device) - self.start
-            self.end = torch.cuda.memory_allocated(self.device) - self.start
         return False
 
     def hidden(self, visible_peak: int) -> int:

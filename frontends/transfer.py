@@ -75,8 +75,9 @@ class HostPool:
             with _disable_current_modes():
                 buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
             self.capacity += nbytes
-        self._used.append((buf, nbytes if counted is None else counted))
-        self.in_use += nbytes if counted is None else counted
+        counted = nbytes if counted is None else counted
+        self._used.append((buf, counted))
+        self.in_use += counted
         self.peak = max(self.peak, self.in_use)
         return buf
 
