@@ -35,7 +35,8 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    (`InstantWorker`), started right after step 0 for `WORKER_SHARE` of the time, while 0b, 0d
    and the later steps go on beside it with one thread fewer; its plan and bound are taken when
    it ends (between neighbourhoods, or at the end).  Recompute-only, on a graph with tight
-   backward instants, the step keeps `SPLIT_SHARE` of its time for the split bound
+   backward instants, the step keeps `SPLIT_SHARE` of its time (all but `SPLIT_WHOLE_MAX_S` of a
+   long one) for the split bound
    (`instant_ip.split_bound`: the instant IP cut at those instants into windows, each solved on
    its own, their optima added), run when the whole model has not proven its optimum:
    ResNet-50 d2 at 0.3x 1.1895 where the whole model plateaus at 1.1818, U-Net d3 at 0.3x
@@ -190,6 +191,8 @@ WORKER_START_S = 3.0   # what starting the worker (a fresh interpreter, imports,
 WORKER_MAX_VARS = 60_000  # the worker's instant IP may be larger: it has nearly all the time
 SPLIT_SHARE = 0.35     # of step 0c's time, for the split bound after the instant IP (where the graph has tight instants),
 SPLIT_MIN_S = 25.0     # and at least this long, up to 60 % of the step (its first window needs a root LP and cuts)
+SPLIT_WHOLE_MAX_S = 150.0  # and where it follows, the whole model runs at most this long (its bound plateaus: U-Net d3
+                       # at 0.3x 1.183 from 40 s to 540 s; the split's hard window needs the time: 0.1688, proven in 1525 s)
 
 
 def _recompute_in(graph: Graph, schedule: Schedule, window: tuple[int, int]) -> float:
@@ -581,12 +584,12 @@ def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, s
     (`instant_ip.solve_on_demand`); and when it does not
     prove its optimum, recompute only, on a graph with tight backward instants, the split bound
     (`instant_ip.split_bound`) for the rest of the time: with a limit, the split bound keeps
-    `SPLIT_SHARE` of it, or `SPLIT_MIN_S` up to 60 % of it.  Returns `instant_ip.solve`'s dict
-    with "split": `split_bound`'s dict or None."""
+    `SPLIT_SHARE` of it, or `SPLIT_MIN_S` up to 60 % of it, and all but `SPLIT_WHOLE_MAX_S` of a
+    long one.  Returns `instant_ip.solve`'s dict with "split": `split_bound`'s dict or None."""
     t0 = _time.perf_counter()
     cuts = [] if swap else instant_ip.split_candidates(graph, budget_bytes)
-    first = time_limit if time_limit is None or not cuts else \
-        max(1.0, time_limit - max(SPLIT_SHARE * time_limit, min(SPLIT_MIN_S, 0.6 * time_limit)))
+    first = time_limit if time_limit is None or not cuts else min(
+        SPLIT_WHOLE_MAX_S, max(1.0, time_limit - max(SPLIT_SHARE * time_limit, min(SPLIT_MIN_S, 0.6 * time_limit))))
     out = instant_ip.solve(graph, budget_bytes, swap=swap, threads=threads, backend=backend, time_limit=first,
                            **options)
     if not swap and out["proven"] and out["schedule"] is not None:

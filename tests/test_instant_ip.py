@@ -338,6 +338,59 @@ def test_split_bound_stays_below_the_optimum_and_adds_up_its_windows(g, ratio, o
     assert (out["bound"] == pytest.approx(optimum)) == meets
 
 
+def _split_with_one_hard_window(monkeypatch, g, budget, hard, time_limit=1000.0):
+    """`split_bound` where every window but `hard` is proven at once and `hard` runs to every
+    limit it gets (a fake clock); returns (its result, window -> the limits it was solved with,
+    window -> its last model)."""
+    clock = [0.0]
+    solves: dict = {}
+    windows: dict = {}
+    build = instant_ip.build
+
+    def build_and_note(graph, b, **k):
+        m = windows[k["window"]] = build(graph, b, **k)
+        return m
+
+    def run(m, backend, limit, gap, threads, warm, msg, **k):
+        w = next(w for w, mm in windows.items() if mm is m)
+        solves.setdefault(w, []).append(limit)
+        if w == hard:
+            clock[0] += limit
+            return {"bound": 1000.0, "proven": False, "infeasible": False, "objective": 2000.0}
+        return {"bound": 0.0, "proven": True, "infeasible": False, "objective": 0.0}
+
+    monkeypatch.setattr(instant_ip, "build", build_and_note)
+    monkeypatch.setattr(instant_ip.ilp, "_run", run)
+    monkeypatch.setattr(instant_ip._time, "perf_counter", lambda: clock[0])
+    out = instant_ip.split_bound(g, budget, time_limit=time_limit, threads=1, backend="highs")
+    assert (hard[0], hard[1], pytest.approx(1000.0 * windows[hard].time_unit), False) in out["windows"]
+    return out, solves, windows
+
+
+def test_split_bound_gives_its_hard_window_what_is_left_in_one_solve(monkeypatch):
+    # a window on the best cuts that runs to every limit it gets (as U-Net d3's (70, 120] at 0.3x,
+    # which HiGHS proves in 1525 s): after the first pass over the windows between candidates
+    # (half of 1 - SPLIT_FIRST of the time) and the first window (proven at once here), it is
+    # solved again once, with everything left, not in two solves that each start from scratch
+    g = unet(4)
+    budget = parse_budget("0.6x", g)
+    hard = (instant_ip.split_candidates(g, budget)[0], g.n - 1)
+    _, solves, _ = _split_with_one_hard_window(monkeypatch, g, budget, hard)
+    first, again = solves[hard]  # two solves, no more
+    assert first == pytest.approx((1 - instant_ip.SPLIT_FIRST) * 1000.0 / 2)  # (the others proven at once)
+    assert again == pytest.approx(1000.0 - first)
+
+
+def test_split_bound_gives_a_hard_first_window_all_the_time_the_others_leave(monkeypatch):
+    # ResNet-50 d2 at 0.3x: the first window is the open one; it stopped at SPLIT_FIRST of the
+    # time (1088 of 1800 s) with the rest unused
+    g = unet(4)
+    budget = parse_budget("0.6x", g)
+    hard = (0, instant_ip.split_candidates(g, budget)[0])
+    _, solves, _ = _split_with_one_hard_window(monkeypatch, g, budget, hard)
+    assert solves[hard] == [pytest.approx(1000.0)]  # (the others took no time)
+
+
 def test_split_candidates_are_tight_backward_instants():
     g = unet(4)
     budget = parse_budget("0.6x", g)

@@ -551,3 +551,35 @@ def test_default_threads_are_two_where_two_cores_are_free(monkeypatch):
     ilp_scalable.solve(linear_chain(4), 10**9, time_limit=1)
     ilp_scalable.solve(linear_chain(4), 10**9, time_limit=1, threads=1)
     assert seen == [2, 1]
+
+
+def test_a_long_time_limit_goes_to_the_split_bound_not_the_whole_instant_ip(monkeypatch):
+    # the whole model's bound plateaus (U-Net d3 at 0.3x: 1.183 from 40 s to 540 s) while the
+    # split's hard window needs the time (U-Net d3's (70, 120]: 0.153 after 790 s, 0.1688 proven
+    # in 1525 s): past SPLIT_WHOLE_MAX_S the whole model stops and the split gets the rest
+    from remat.solvers import instant_ip
+    g = unet(4)
+    budget = parse_budget("0.6x", g)
+    assert instant_ip.split_candidates(g, budget)
+    limits: dict = {}
+    clock = [0.0]
+
+    def whole(graph, budget_bytes, time_limit=None, **k):  # runs to its limit
+        limits["whole"] = time_limit
+        clock[0] += time_limit
+        return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": False,
+                "variables": 0}
+
+    def split(graph, budget_bytes, time_limit=None, **k):
+        limits["split"] = time_limit
+        return None
+
+    monkeypatch.setattr(instant_ip, "solve", whole)
+    monkeypatch.setattr(instant_ip, "split_bound", split)
+    monkeypatch.setattr(ilp_scalable._time, "perf_counter", lambda: clock[0])
+    ilp_scalable.instant_step(g, budget, time_limit=1800.0, threads=1)
+    assert limits["whole"] == ilp_scalable.SPLIT_WHOLE_MAX_S
+    assert limits["split"] == pytest.approx(1800.0 - ilp_scalable.SPLIT_WHOLE_MAX_S)
+    ilp_scalable.instant_step(g, budget, time_limit=120.0, threads=1)  # two minutes: as before
+    assert limits["whole"] == pytest.approx(120.0 * (1 - ilp_scalable.SPLIT_SHARE))
+    assert limits["split"] == pytest.approx(120.0 * ilp_scalable.SPLIT_SHARE)
