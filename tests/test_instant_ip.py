@@ -430,3 +430,58 @@ def test_every_schedule_maps_onto_every_window_at_no_more_than_its_recomputation
         assert total <= (res.time - g.total_time) * (1 + 1e-9) + 1e-9, name
         checked += 1
     assert checked >= 2
+
+
+needs_highs = pytest.mark.skipif(not ilp.highs_available(), reason="path rows separate against HiGHS's LP")
+
+
+def _violated_path_rows(g, m):
+    """The path rows the model's current point violates (`path_rows` at its variables' values)."""
+    return instant_ip.path_rows(g, m, {x: x.varValue or 0.0 for x in [*m.P.values(), *m.N.values()]}, eps=1e-9)
+
+
+@needs_highs
+@pytest.mark.parametrize("g,ratio", [(unet(3), "0.6x"), (random_layered(12, seed=3), "0.7x"), (linear_chain(16), "0.5x"),
+                                     (odd_graph(1), "0.8x")], ids=["unet3", "random12", "chain16", "odd1"])
+def test_path_rows_hold_at_every_integral_solution_the_model_has(g, ratio):
+    # the path rows' proof: every integral solution satisfies them, so no path row is violated at
+    # (a) every baseline's schedule read onto the model, (b) optimal solutions of the model under
+    # random objectives (vertices of its integer hull, far from the schedules), whole and windowed
+    import random
+    import pulp
+    budget = parse_budget(ratio, g)
+    points = instant_ip.split_candidates(g, budget) or [g.n // 2]
+    for window in (None, (points[0], g.n - 1)):
+        m = instant_ip.build(g, budget, window=window)
+        for name, sched, _ in fitting_schedules(g, budget):
+            if not any(op.op == "swap_in" for op in sched.ops):
+                assert instant_ip.set_warm_start(g, m, sched)
+                assert not _violated_path_rows(g, m), (name, window)
+        rng = random.Random(7)
+        cols = list(m.P.values()) + list(m.N.values())
+        for _ in range(4):
+            m.prob.setObjective(pulp.lpSum(rng.uniform(-1, 1) * x for x in cols))
+            m.prob.solve(pulp.PULP_CBC_CMD(msg=False, threads=1))
+            assert m.prob.sol_status == 1
+            assert not _violated_path_rows(g, m), window
+
+
+@needs_highs
+@pytest.mark.parametrize("g,budget", [(linear_chain(10), 5), (random_layered(20, seed=2), "0.6x"),
+                                      (random_layered(12, seed=3), "0.7x")], ids=["chain10", "random20s2", "random12"])
+def test_path_rows_raise_the_lp_and_keep_the_optimum(g, budget):
+    # the rows cut off LP points (the LP rises; chain10: 38 -> 40.9 of 42) but no integral
+    # solution: the model proves the same optimum with them as without
+    budget = parse_budget(budget, g) if isinstance(budget, str) else budget
+    plain = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs", path=False)
+    assert plain["proven"]
+    optimum = plain["objective"]
+    m = instant_ip.build(g, budget)
+    h = instant_ip._lp_relaxation(m)
+    h.run()
+    before = (h.getInfo().objective_function_value + m.prob.objective.constant) * m.time_unit
+    out = instant_ip.add_path_rows(g, m)
+    assert out["rows"] > 0 and before + 1e-6 * optimum < out["lp"] <= optimum * (1 + 1e-9)
+    assert len([k for k in m.prob.constraints if k.startswith("path_")]) == out["rows"] <= out["separated"]
+    solved = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs")
+    assert solved["proven"] and solved["objective"] == pytest.approx(optimum)
