@@ -508,19 +508,77 @@ PATH_PER_ROUND = 400  # adding at most this many rows a round (the most violated
 PATH_SHARE = 0.25     # within this share of the solve's time limit
 PATH_EPS = 1e-3       # (a row is added when the LP violates it by more than this)
 PATH_STALL = 0.01     # and while the LP's recomputation still rises by this share
-PATH_STALL_ROUNDS = 3  # over this many rounds
+PATH_STALL_ROUNDS = 3  # over this many rounds; and the rows are kept only if they lifted it by
+PATH_KEEP_GAIN = 0.02  # this share (GPT-2 d2/d3 and ResNet-50 d2 at 0.5x: 0, hundreds of tight rows)
 
 
-def _lp_relaxation(m: InstantModel):
-    """The LP relaxation of `m` in HiGHS (highspy), columns in `m.prob.variables()` order: a
-    `highspy.Highs` to which rows can be added and which is solved again from its last basis."""
-    import highspy
-    ilp._swallow_highs_banner()
-    highspy.Highs.resetGlobalScheduler(True)
-    m.prob.solverModel = h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    pulp.HiGHS(mip=False, msg=False).buildSolverModel(m.prob)
-    return h
+class _Relaxation:
+    """The LP relaxation of `m` with rows added as they are separated: in HiGHS (highspy) in
+    memory, each solve from the last basis; without highspy, CBC through PuLP (the rows go
+    into `m.prob` at once, the LP is written out and solved from scratch each round)."""
+
+    def __init__(self, m: InstantModel):
+        self.m = m
+        self.cols = m.prob.variables()
+        self.rows: list[tuple[str, dict]] = []
+        self.highs = ilp.highs_available()
+        self.h = None
+        if self.highs:
+            import highspy
+            ilp._swallow_highs_banner()
+            highspy.Highs.resetGlobalScheduler(True)
+            m.prob.solverModel = self.h = highspy.Highs()
+            self.h.setOptionValue("output_flag", False)
+            pulp.HiGHS(mip=False, msg=False).buildSolverModel(m.prob)
+            self.first_row = self.h.getNumRow()
+
+    def solve(self) -> dict | None:
+        """Solve; {variable: value} at the LP optimum (None if it has none), and `objective`
+        (model units, the objective's constant included)."""
+        constant = self.m.prob.objective.constant or 0.0
+        if self.highs:
+            self.h.run()
+            if self.h.modelStatusToString(self.h.getModelStatus()) != "Optimal":
+                return None
+            self.h.setOptionValue("presolve", "off")  # (later solves start from this basis)
+            self.objective = self.h.getInfo().objective_function_value + constant
+            value = self.h.getSolution().col_value
+            return {var: value[var.index] for var in self.cols}
+        self.m.prob.solve(pulp.PULP_CBC_CMD(msg=False, mip=False, threads=1))
+        if self.m.prob.status != pulp.LpStatusOptimal:
+            return None
+        self.objective = pulp.value(self.m.prob.objective)
+        return {var: var.varValue or 0.0 for var in self.cols}
+
+    def add(self, row: dict) -> None:
+        name = f"path_{len(self.rows)}"
+        self.rows.append((name, row))
+        if self.highs:
+            self.h.addRow(-math.inf, 0.0, len(row), [var.index for var in row], list(row.values()))
+        else:
+            self.m.prob.addConstraint(pulp.LpAffineExpression(list(row.items())) <= 0, name)
+
+    def keep(self, solved: int, worth: bool = True) -> int:
+        """Leave in `m.prob` the rows tight at the last solve (which had the first `solved` rows)
+        and those added after it, none unless `worth`; the model's variables lose the LP's values.
+        Returns how many."""
+        prob = self.m.prob
+        if self.highs:
+            activity = self.h.getSolution().row_value if solved else []
+            tight = [worth and (j >= solved or activity[self.first_row + j] > -1e-7) for j in range(len(self.rows))]
+            prob.solverModel = None
+            for (name, row), keep in zip(self.rows, tight):
+                if keep:
+                    prob.addConstraint(pulp.LpAffineExpression(list(row.items())) <= 0, name)
+        else:
+            tight = [worth and (j >= solved or prob.constraints[name].value() > -1e-7)
+                     for j, (name, _) in enumerate(self.rows)]
+            for (name, _), keep in zip(self.rows, tight):
+                if not keep:
+                    del prob.constraints[name]
+            for var in self.cols:
+                var.varValue = None
+        return sum(tight)
 
 
 def path_rows(graph: Graph, m: InstantModel, x, *, eps: float = PATH_EPS, most: int = PATH_PER_ROUND) -> list:
@@ -597,21 +655,19 @@ def path_rows(graph: Graph, m: InstantModel, x, *, eps: float = PATH_EPS, most: 
 def add_path_rows(graph: Graph, m: InstantModel, *, time_limit: float | None = None,
                   rounds: int = PATH_ROUNDS) -> dict:
     """Strengthen a recompute-only model with the path rows its LP relaxation violates, round by
-    round (HiGHS's LP, from its last basis), until none is violated, `rounds` have run,
-    `time_limit` is spent or the LP stalls (its recomputation rose less than `PATH_STALL` over
-    the last `PATH_STALL_ROUNDS` rounds).  The rows tight at the last LP (and those added after
-    it) go into `m.prob`, named path_k; the others only slow the MIP's LPs down.  Returns
-    {"rows": kept, "separated": added in all, "rounds": run, "lp": the last LP value in seconds
-    or None}.  Without highspy it adds none."""
+    round, until none is violated, `rounds` have run, `time_limit` is spent or the LP stalls
+    (its recomputation rose less than `PATH_STALL` over the last `PATH_STALL_ROUNDS` rounds).
+    Where the rounds lifted the LP's recomputation by `PATH_KEEP_GAIN` or more, the rows tight
+    at the last LP (and those added after it) go into `m.prob`, named path_k; the others, and
+    all of them where the LP hardly rose, would only slow the MIP down.  Returns {"rows": kept,
+    "separated": added in all, "rounds": run, "lp": the LP value of the model as left, in
+    seconds, or None}.  The LP is HiGHS's where highspy is installed, else CBC's (`_Relaxation`)."""
     out = {"rows": 0, "separated": 0, "rounds": 0, "lp": None}
-    if m.swap or not m.N or not ilp.highs_available():
+    if m.swap or not m.N:
         return out
     t0 = _time.perf_counter()
-    h = _lp_relaxation(m)
-    cols = m.prob.variables()
-    in_model = set(cols)
-    first_row = h.getNumRow()
-    added: list[dict] = []
+    lp = _Relaxation(m)
+    in_model = set(lp.cols)
     solved = 0  # rows added before the last LP
     base = (m.prob.objective.constant or 0.0) * m.time_unit
     history: list[float] = []
@@ -621,15 +677,13 @@ def add_path_rows(graph: Graph, m: InstantModel, *, time_limit: float | None = N
         if len(history) > PATH_STALL_ROUNDS and \
                 history[-1] - history[-1 - PATH_STALL_ROUNDS] < PATH_STALL * (history[-1] - base):
             break
-        h.run()
-        if h.modelStatusToString(h.getModelStatus()) != "Optimal":
+        x = lp.solve()
+        if x is None:
             break
-        solved = len(added)
-        out["lp"] = (h.getInfo().objective_function_value + (m.prob.objective.constant or 0.0)) * m.time_unit
+        solved = len(lp.rows)
+        out["lp"] = lp.objective * m.time_unit
         history.append(out["lp"])
-        h.setOptionValue("presolve", "off")  # (later rounds start from this basis)
-        value = h.getSolution().col_value
-        rows = path_rows(graph, m, {var: value[var.index] for var in cols})
+        rows = path_rows(graph, m, x)
         out["rounds"] = k + 1
         if not rows:
             break
@@ -639,16 +693,14 @@ def add_path_rows(graph: Graph, m: InstantModel, *, time_limit: float | None = N
             merged: dict = {}
             for var, c in row:
                 merged[var] = merged.get(var, 0.0) + c
-            h.addRow(-math.inf, 0.0, len(merged), [var.index for var in merged], list(merged.values()))
-            added.append(merged)
-    activity = h.getSolution().row_value if solved else []
-    for j, merged in enumerate(added):
-        if j >= solved or activity[first_row + j] > -1e-7:
-            m.prob.addConstraint(pulp.LpAffineExpression(list(merged.items())) <= 0, f"path_{out['rows']}")
-            out["rows"] += 1
-    out["separated"] = len(added)
-    m.prob.solverModel = None
-    log.info("instant IP: %d path rows (of %d) in %d rounds, LP %s (%.1f s)", out["rows"], len(added), out["rounds"],
+            lp.add(merged)
+    # (rows that hardly lift the LP only slow the MIP down: none are kept then)
+    worth = len(history) > 1 and history[-1] - history[0] >= PATH_KEEP_GAIN * (history[0] - base)
+    out["rows"] = lp.keep(solved, worth)
+    if not worth and history:
+        out["lp"] = history[0]
+    out["separated"] = len(lp.rows)
+    log.info("instant IP: %d path rows (of %d) in %d rounds, LP %s (%.1f s)", out["rows"], out["separated"], out["rounds"],
              None if out["lp"] is None else round(out["lp"] / graph.total_time, 4), _time.perf_counter() - t0)
     return out
 

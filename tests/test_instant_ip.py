@@ -432,7 +432,7 @@ def test_every_schedule_maps_onto_every_window_at_no_more_than_its_recomputation
     assert checked >= 2
 
 
-needs_highs = pytest.mark.skipif(not ilp.highs_available(), reason="path rows separate against HiGHS's LP")
+needs_highs = pytest.mark.skipif(not ilp.highs_available(), reason="HiGHS solves these models (the rows work with CBC too)")
 
 
 def _violated_path_rows(g, m):
@@ -477,11 +477,27 @@ def test_path_rows_raise_the_lp_and_keep_the_optimum(g, budget):
     assert plain["proven"]
     optimum = plain["objective"]
     m = instant_ip.build(g, budget)
-    h = instant_ip._lp_relaxation(m)
-    h.run()
-    before = (h.getInfo().objective_function_value + m.prob.objective.constant) * m.time_unit
+    lp = instant_ip._Relaxation(m)
+    assert lp.solve() is not None
+    before = lp.objective * m.time_unit
     out = instant_ip.add_path_rows(g, m)
     assert out["rows"] > 0 and before + 1e-6 * optimum < out["lp"] <= optimum * (1 + 1e-9)
     assert len([k for k in m.prob.constraints if k.startswith("path_")]) == out["rows"] <= out["separated"]
     solved = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs")
     assert solved["proven"] and solved["objective"] == pytest.approx(optimum)
+
+
+def test_path_rows_without_highs_come_from_cbcs_lp_alike(monkeypatch):
+    # without highspy the LP rounds run in CBC: the LP rises above the plain one (150.24) and stays
+    # below the optimum (157), tight rows are kept, and the model is left with no LP values on its
+    # variables (a warm start sets its own)
+    g = random_layered(20, seed=2)
+    budget = parse_budget("0.6x", g)
+    monkeypatch.setattr(instant_ip.ilp, "highs_available", lambda: False)
+    m = instant_ip.build(g, budget)
+    out = instant_ip.add_path_rows(g, m)
+    assert out["rows"] > 0 and 150.24 < out["lp"] <= 157.0 + 1e-9
+    assert len([k for k in m.prob.constraints if k.startswith("path_")]) == out["rows"] <= out["separated"]
+    assert all(x.varValue is None for x in m.prob.variables())
+    solved = instant_ip.solve(g, budget, time_limit=60, threads=1)  # (CBC)
+    assert solved["proven"] and solved["objective"] == pytest.approx(157.0)
