@@ -816,6 +816,15 @@ def _run_cbc(m: Model, time_limit: float | None, gap: float, threads: int | None
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def highs_ready() -> None:
+    """Before any HiGHS solve in this process: a fresh thread pool (HiGHS fixes its pool at the
+    first solve of the process and fails later solves that ask for another thread count: "Not
+    Set") and its banner swallowed (`_swallow_highs_banner`)."""
+    import highspy
+    highspy.Highs.resetGlobalScheduler(True)
+    _swallow_highs_banner()
+
+
 def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: int | None,
          warm: bool, msg: bool, options: list[str] | None = None,
          progress: Callable[[dict], None] | None = None, stop_at: float | None = None) -> dict:
@@ -878,11 +887,7 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
             raise SolverError(f"HiGHS backend unavailable ({e}); install highspy or use --backend cbc")
         if not solver.available():
             raise SolverError("HiGHS backend unavailable: pip install highspy, or use --backend cbc")
-        # HiGHS fixes its thread pool at the first solve of the process and fails later solves
-        # that ask for another thread count ("Not Set"): start each solve with a fresh pool
-        import highspy
-        highspy.Highs.resetGlobalScheduler(True)
-        _swallow_highs_banner()
+        highs_ready()
         m.prob.solve(solver)
         h = m.prob.solverModel
         info = h.getInfo()

@@ -452,10 +452,7 @@ def split_bound(graph: Graph, budget_bytes: int, *, time_limit: float | None = 3
     def solve_window(w: tuple[int, int], limit: float | None) -> None:
         m = build(graph, budget_bytes, window=w) if models[w] is None else models[w]
         models[w] = None  # (a model solved once is rebuilt for a second solve)
-        begun = _time.perf_counter()
-        add_path_rows(graph, m, time_limit=None if limit is None else PATH_SHARE * limit)
-        if limit is not None:
-            limit = max(0.2, limit - (_time.perf_counter() - begun))
+        limit = path_rows_within(graph, m, limit, least=0.2)
         try:
             out = ilp._run(m, backend, limit, 0.0, threads, False, False)
         except SolverError as e:
@@ -525,8 +522,7 @@ class _Relaxation:
         self.h = None
         if self.highs:
             import highspy
-            ilp._swallow_highs_banner()
-            highspy.Highs.resetGlobalScheduler(True)
+            ilp.highs_ready()
             m.prob.solverModel = self.h = highspy.Highs()
             self.h.setOptionValue("output_flag", False)
             pulp.HiGHS(mip=False, msg=False).buildSolverModel(m.prob)
@@ -584,14 +580,12 @@ class _Relaxation:
 def path_rows(graph: Graph, m: InstantModel, x, *, eps: float = PATH_EPS, most: int = PATH_PER_ROUND) -> list:
     """Path rows ("Path rows" in the module docstring) that the point `x` (a value per P and N
     variable: `x[var]`) violates by more than `eps`, the most violated first, at most `most`:
-    each a list of (variable, coefficient) for `sum <= 0`.  For every value v, instant t2 and
+    each {variable: coefficient} for `sum <= 0` (a path's values are distinct, so no variable
+    comes twice).  For every value v, instant t2 and
     instant t1 < t2, the cheapest path is found for all t2 at once (numpy over t2)."""
     import numpy as np
     n = graph.n
-    keys_P: dict[int, list[int]] = {}
-    for (t, v) in m.P:
-        keys_P.setdefault(v, []).append(t)
-    values = sorted(keys_P)
+    values = sorted({v for _, v in m.P})
     tracked = set(values)
     ins = {v: sorted(u for u in set(graph.preds[v]) if u in tracked) for v in values}
     P = {v: np.zeros(n) for v in values}
@@ -639,15 +633,14 @@ def path_rows(graph: Graph, m: InstantModel, x, *, eps: float = PATH_EPS, most: 
     for t1, cuts in by_t1.items():
         f = cheapest(t1)
         for v, t2 in cuts:
-            row = [(m.P[t2, v], 1.0), (m.P[t1, v], -1.0)]
-            y = min((u for u in ins[v] if u in f), key=lambda u: P[u][t1] + f[u][t2])
-            row.append((m.P[t1, y], -1.0))
+            row = {m.P[t2, v]: 1.0, m.P[t1, v]: -1.0}
+            y = v
             while True:  # follow the cheapest path back to where it stops (its rebuilds after t1)
-                if cumN[y][t2] - cumN[y][t1] <= f[y][t2] + 1e-12:
-                    row += [(m.N[r, y], -1.0) for r in range(t1 + 1, t2 + 1) if (r, y) in m.N]
-                    break
                 y = min((u for u in ins[y] if u in f), key=lambda u: P[u][t1] + f[u][t2])
-                row.append((m.P[t1, y], -1.0))
+                row[m.P[t1, y]] = -1.0
+                if cumN[y][t2] - cumN[y][t1] <= f[y][t2] + 1e-12:
+                    row.update({m.N[r, y]: -1.0 for r in range(t1 + 1, t2 + 1) if (r, y) in m.N})
+                    break
             rows.append(row)
     return rows
 
@@ -688,12 +681,8 @@ def add_path_rows(graph: Graph, m: InstantModel, *, time_limit: float | None = N
         if not rows:
             break
         for row in rows:
-            if any(var not in in_model for var, _ in row):
-                continue  # (a variable in no row of the model, at its bound: the row adds nothing)
-            merged: dict = {}
-            for var, c in row:
-                merged[var] = merged.get(var, 0.0) + c
-            lp.add(merged)
+            if all(var in in_model for var in row):  # (one in no row of the model sits at its bound)
+                lp.add(row)
     # (rows that hardly lift the LP only slow the MIP down: none are kept then)
     worth = len(history) > 1 and history[-1] - history[0] >= PATH_KEEP_GAIN * (history[0] - base)
     out["rows"] = lp.keep(solved, worth)
@@ -703,6 +692,14 @@ def add_path_rows(graph: Graph, m: InstantModel, *, time_limit: float | None = N
     log.info("instant IP: %d path rows (of %d) in %d rounds, LP %s (%.1f s)", out["rows"], out["separated"], out["rounds"],
              None if out["lp"] is None else round(out["lp"] / graph.total_time, 4), _time.perf_counter() - t0)
     return out
+
+
+def path_rows_within(graph: Graph, m: InstantModel, limit: float | None, *, least: float) -> float | None:
+    """`add_path_rows` for up to `PATH_SHARE` of a solve's time `limit`; returns what it leaves
+    of the limit for the solve (at least `least`; None without a limit)."""
+    t0 = _time.perf_counter()
+    add_path_rows(graph, m, time_limit=None if limit is None else PATH_SHARE * limit)
+    return None if limit is None else max(least, limit - (_time.perf_counter() - t0))
 
 
 def set_warm_start(graph: Graph, m: InstantModel, schedule: Schedule) -> bool:
@@ -874,11 +871,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     if m is None:
         return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": True,
                 "variables": 0}
-    t0 = _time.perf_counter()
     if path and not swap and region is None and instants is None and not strict:
-        add_path_rows(graph, m, time_limit=None if time_limit is None else PATH_SHARE * time_limit)
-        if time_limit is not None:
-            time_limit = max(1.0, time_limit - (_time.perf_counter() - t0))
+        time_limit = path_rows_within(graph, m, time_limit, least=1.0)
     warm = start is not None and set_warm_start(graph, m, start)
     loosened = loosen_unmet_moments(m) if warm and moments else []
     if region is not None or instants is not None:
