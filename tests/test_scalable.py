@@ -324,7 +324,7 @@ def test_scalable_mode_adds_rebuild_moments_where_the_proven_instant_optimum_ove
     # fits (the exact mode's on-demand loop, now in step 0c too)
     g = random_layered(20, seed=2)
     budget = parse_budget("0.6x", g)
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=20, threads=1, coarse_nodes=13)
+    s = ilp_scalable.solve(g, budget, swap=False, time_limit=30, threads=1, coarse_nodes=13)
     fits(g, s, budget)
     assert s.report["status"] == "optimal" and s.report["objective"] == pytest.approx(159)
     assert s.report["bound_from"].startswith("instant IP")
