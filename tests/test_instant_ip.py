@@ -501,3 +501,40 @@ def test_path_rows_without_highs_come_from_cbcs_lp_alike(monkeypatch):
     assert all(x.varValue is None for x in m.prob.variables())
     solved = instant_ip.solve(g, budget, time_limit=60, threads=1)  # (CBC)
     assert solved["proven"] and solved["objective"] == pytest.approx(157.0)
+
+
+# ---- coupled windows -----------------------------------------------------------------------------
+@needs_highs
+@pytest.mark.parametrize("g,ratio,cut,free,optimum", [
+    (linear_chain(12), "0.5x", 16, 4.0, 7.0),          # coupled: the optimum itself
+    (random_layered(12, seed=0), "0.7x", 16, 8.0, 11.0),
+    (random_layered(20, seed=2), "0.6x", 24, 29.0, 30.0)], ids=["chain12", "random12", "random20s2"])
+def test_coupled_bound_lifts_the_free_split_and_stays_below_every_schedule(g, ratio, cut, free, optimum):
+    # windows (0, cut] and (cut, end] joined through the residents at `cut`: one round is the split
+    # with a free start (W1's LP plus W2's optimum); the rounds after it rise, never above the
+    # instant IP's proven optimum (its recomputation) nor what any recompute-only schedule recomputes
+    budget = parse_budget(ratio, g)
+    end = g.n - 1
+    first = instant_ip.coupled_bound(g, budget, cut, end, rounds=1, time_limit=30)
+    out = instant_ip.coupled_bound(g, budget, cut, end, time_limit=60)
+    assert first["bound"] == pytest.approx(free) and not first["converged"]
+    assert out["converged"] and out["bound"] == pytest.approx(out["master"], rel=1e-5)
+    assert free + 0.1 < out["bound"] <= optimum + 1e-6
+    solved = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs", path=False)
+    assert solved["proven"] and solved["objective"] - g.total_time == pytest.approx(optimum)
+    checked = 0
+    for name, sched, res in fitting_schedules(g, budget):
+        if any(op.op == "swap_in" for op in sched.ops):  # (a recompute-only bound)
+            continue
+        assert out["bound"] <= (res.time - g.total_time) * (1 + 1e-9) + 1e-9, name
+        checked += 1
+    assert checked >= 2
+
+
+def test_coupled_bound_needs_highs_and_a_cut_inside(monkeypatch):
+    g = linear_chain(12)
+    budget = parse_budget("0.5x", g)
+    assert instant_ip.coupled_bound(g, budget, 0, g.n - 1) is None
+    assert instant_ip.coupled_bound(g, budget, 16, 16) is None
+    monkeypatch.setattr(instant_ip.ilp, "highs_available", lambda: False)
+    assert instant_ip.coupled_bound(g, budget, 16, g.n - 1) is None
