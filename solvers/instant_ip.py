@@ -129,10 +129,16 @@ feasible for each side with x1_s = x2_s, where the y terms cancel), with W2's mi
 by its solver's bound when unproven.  y comes from Dantzig-Wolfe: a master LP of W1's LP and
 convex combinations of W2's solutions found so far (columns), linked by x1_s = sum lambda_k s_k;
 its duals on those rows price the next column (W2's IP with + y on x2_s), and the master's value
-is reached when no column prices out.  ResNet-50 d2 at 0.3x, c = 176, e = 202 (bound on (0, 202]):
-free start 0.0864 of the step (the split at 196: 0.0858), coupled 0.0922 after one column,
-0.0984 after twelve (each pricing 20-40 s): with the windows after 202, 1.2020 where the split
-gives 1.1894.
+is reached when no column prices out.  W1 being an LP, the path rows its Lagrangian LP violates
+are added each round (to the master too).  ResNet-50 d2 at 0.3x, c = 176, e = 202 (the bound on
+(0, 202], share of the step): a free start gives 0.0864 (the split at 196: 0.0858), the coupling
+0.0922 after two rounds (59 s), 0.1061 after seven (313 s; each pricing 30-60 s); with the
+windows after 202 the bound is 1.2097 where the split gives 1.1894 (the two-minute plan, 1.2494,
+is within 3.2 % of optimal).  Where the gain comes from: the free start of (176, 202] holds
+layer1's block outputs (98 MiB each) at 176 and rebuilds little (0.0773); W1's LP charges 0.0303
+for holding them (0.0091 with nothing held).  A cut elsewhere gave less (before W1's rows, when
+176 converged at 0.0984: 188 or 193, 0.0846 / 0.0834 on (0, 202]; (0, 196] coupled at 176,
+0.0442 against the split's 0.048).
 
 Path rows (`add_path_rows`, recompute only)
 -------------------------------------------
@@ -518,6 +524,7 @@ def split_bound(graph: Graph, budget_bytes: int, *, time_limit: float | None = 3
 
 
 COUPLE_EPS = 1e-6   # coupled_bound: converged when the bound is within this share of the master's value
+COUPLE_PATH_ROUNDS = 10  # and W1's Lagrangian LP gets at most this many rounds of path rows each time
 
 
 def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_limit: float | None = 300.0,
@@ -525,7 +532,7 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
                   threads: int | None = None) -> dict | None:
     """The bound of "Coupled windows" on the recomputation in the intervals 1..`end` (the windows
     (0, `cut`] and (`cut`, `end`] coupled through the residents at `cut`): {"bound": seconds,
-    "master": seconds (the last master LP's value, an upper limit of what more rounds can reach),
+    "master": seconds (the last master LP's value: what more columns alone could reach at most),
     "rounds": pricings run, "converged": the bound met the master}.  Each round solves W2's IP
     (`backend`) for up to `price_limit` seconds; `time_limit` covers the call.  None without
     highspy (the master and W1's Lagrangian LP are HiGHS models in memory) or when a window cannot
@@ -564,6 +571,25 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
     master.addRow(1.0, 1.0, 0, [], [])
     const1 = m1.prob.objective.constant or 0.0
     objective2 = m2.prob.objective
+    in_model = set(m1.prob.variables())
+    w1_vars = [x for x in [*m1.P.values(), *m1.N.values()] if x in in_model]
+
+    def tighten() -> bool:  # W1's Lagrangian LP, with the path rows it violates (into the master too)
+        for _ in range(COUPLE_PATH_ROUNDS):
+            lag.run()
+            if lag.modelStatusToString(lag.getModelStatus()) != "Optimal":
+                return False
+            sol = lag.getSolution().col_value
+            rows = [row for row in path_rows(graph, m1, {x: sol[x.index] for x in w1_vars})
+                    if all(x in in_model for x in row)]  # (one in no row of the model sits at its bound)
+            for row in rows:
+                for h in (lag, master):
+                    h.addRow(-math.inf, 0.0, len(row), [x.index for x in row], list(row.values()))
+            if not rows:
+                break
+        else:
+            lag.run()
+        return lag.modelStatusToString(lag.getModelStatus()) == "Optimal"
     y: dict[int, float] = {}
     best, value, k, converged = -math.inf, math.inf, 0, False
     while k < rounds and (left() is None or left() >= 1.0):
@@ -571,7 +597,7 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
         m2.prob.setObjective(objective2 + pulp.lpSum(y[v] * m2.P[cut, v] for v in shared if y.get(v)))
         try:
             out = ilp._run(m2, backend, price_limit if left() is None else min(price_limit, left()), 0.0,
-                           threads, False, False)
+                           threads, k > 1, False)  # (from the last column: it is still a solution)
         except SolverError as e:
             log.info("coupled bound: pricing failed (%s)", e)
             break
@@ -579,8 +605,7 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
             m2.prob.setObjective(objective2)
         for v in shared:
             lag.changeColCost(col[v], -y.get(v, 0.0))
-        lag.run()
-        if out["bound"] is None or lag.modelStatusToString(lag.getModelStatus()) != "Optimal":
+        if out["bound"] is None or not tighten():
             break
         best = max(best, lag.getInfo().objective_function_value + const1 + out["bound"])
         log.info("coupled bound: round %d, bound %.6g, master %.6g (%.1f s)", k, best * m1.time_unit,
