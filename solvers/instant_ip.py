@@ -534,7 +534,8 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
     (0, `cut`] and (`cut`, `end`] coupled through the residents at `cut`): {"bound": seconds,
     "master": seconds (the last master LP's value: what more columns alone could reach at most),
     "rounds": pricings run, "converged": the bound met the master}.  Each round solves W2's IP
-    (`backend`) for up to `price_limit` seconds; `time_limit` covers the call.  None without
+    (`backend`) for up to `price_limit` seconds, within what is left of `time_limit` (W1's LP
+    and rows after it may run past it by seconds: ResNet-50 d2, 80 s for 70).  None without
     highspy (the master and W1's Lagrangian LP are HiGHS models in memory) or when a window cannot
     hold what it must."""
     if not ilp.highs_available() or not 0 < cut < end < graph.n:
@@ -564,6 +565,7 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
 
     lag, master = lp_of(m1), lp_of(m1)  # (the same columns in the same order: var.index)
     col = {v: m1.P[cut, v].index for v in shared}
+    cost1 = {v: lag.getLp().col_cost_[col[v]] for v in shared}
     first_row = master.getNumRow()
     for v in shared:  # x1_s - sum_k lambda_k s_k = 0
         master.addRow(0.0, 0.0, 1, [col[v]], [1.0])
@@ -574,22 +576,25 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
     in_model = set(m1.prob.variables())
     w1_vars = [x for x in [*m1.P.values(), *m1.N.values()] if x in in_model]
 
-    def tighten() -> bool:  # W1's Lagrangian LP, with the path rows it violates (into the master too)
+    def tighten() -> int | None:  # W1's Lagrangian LP with the path rows it violates (into the master too):
+        added = 0                 # how many, None if the LP has no optimum
         for _ in range(COUPLE_PATH_ROUNDS):
             lag.run()
             if lag.modelStatusToString(lag.getModelStatus()) != "Optimal":
-                return False
+                return None
             sol = lag.getSolution().col_value
             rows = [row for row in path_rows(graph, m1, {x: sol[x.index] for x in w1_vars})
                     if all(x in in_model for x in row)]  # (one in no row of the model sits at its bound)
             for row in rows:
                 for h in (lag, master):
                     h.addRow(-math.inf, 0.0, len(row), [x.index for x in row], list(row.values()))
+            added += len(rows)
             if not rows:
                 break
         else:
             lag.run()
-        return lag.modelStatusToString(lag.getModelStatus()) == "Optimal"
+        return added if lag.modelStatusToString(lag.getModelStatus()) == "Optimal" else None
+
     y: dict[int, float] = {}
     best, value, k, converged = -math.inf, math.inf, 0, False
     while k < rounds and (left() is None or left() >= 1.0):
@@ -604,14 +609,16 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
         finally:
             m2.prob.setObjective(objective2)
         for v in shared:
-            lag.changeColCost(col[v], -y.get(v, 0.0))
-        if out["bound"] is None or not tighten():
+            lag.changeColCost(col[v], cost1[v] - y.get(v, 0.0))
+        added = None if out["bound"] is None else tighten()
+        if added is None:
             break
         best = max(best, lag.getInfo().objective_function_value + const1 + out["bound"])
         log.info("coupled bound: round %d, bound %.6g, master %.6g (%.1f s)", k, best * m1.time_unit,
                  value * m1.time_unit, _time.perf_counter() - t0)
-        if best >= value - COUPLE_EPS * abs(value) or out["objective"] is None:
-            converged = best >= value - COUPLE_EPS * abs(value)
+        # (the master's last value is its value before this round's rows: met only where none came)
+        converged = not added and best >= value - COUPLE_EPS * abs(value)
+        if converged or out["objective"] is None:
             break
         rows = [first_row + i for i, v in enumerate(shared) if (m2.P[cut, v].varValue or 0) > 0.5]
         master.addCol(pulp.value(objective2), 0.0, math.inf, len(rows) + 1, rows + [convexity],
