@@ -540,7 +540,6 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
     hold what it must."""
     if not ilp.highs_available() or not 0 < cut < end < graph.n:
         return None
-    import highspy
     t0 = _time.perf_counter()
 
     def left() -> float | None:
@@ -554,18 +553,10 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
     add_path_rows(graph, m1, time_limit=None if time_limit is None else 0.1 * time_limit, keep_gain=0.0)
     add_path_rows(graph, m2, time_limit=None if time_limit is None else 0.05 * time_limit)
     shared = sorted({v for t, v in m1.P if t == cut} & {v for t, v in m2.P if t == cut})
-    ilp.highs_ready()
-
-    def lp_of(m: InstantModel):
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-        m.prob.solverModel = h
-        pulp.HiGHS(mip=False, msg=False).buildSolverModel(m.prob)
-        return h
-
-    lag, master = lp_of(m1), lp_of(m1)  # (the same columns in the same order: var.index)
+    lag = _Relaxation(m1)  # W1's Lagrangian LP
+    master = _highs_lp(m1)  # (the same columns in the same order: var.index)
     col = {v: m1.P[cut, v].index for v in shared}
-    cost1 = {v: lag.getLp().col_cost_[col[v]] for v in shared}
+    cost1 = {v: lag.h.getLp().col_cost_[col[v]] for v in shared}
     first_row = master.getNumRow()
     for v in shared:  # x1_s - sum_k lambda_k s_k = 0
         master.addRow(0.0, 0.0, 1, [col[v]], [1.0])
@@ -573,27 +564,19 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
     master.addRow(1.0, 1.0, 0, [], [])
     const1 = m1.prob.objective.constant or 0.0
     objective2 = m2.prob.objective
-    in_model = set(m1.prob.variables())
-    w1_vars = [x for x in [*m1.P.values(), *m1.N.values()] if x in in_model]
 
     def tighten() -> int | None:  # W1's Lagrangian LP with the path rows it violates (into the master too):
         added = 0                 # how many, None if the LP has no optimum
-        for _ in range(COUPLE_PATH_ROUNDS):
-            lag.run()
-            if lag.modelStatusToString(lag.getModelStatus()) != "Optimal":
+        for i in range(COUPLE_PATH_ROUNDS + 1):
+            x = lag.solve()
+            if x is None:
                 return None
-            sol = lag.getSolution().col_value
-            rows = [row for row in path_rows(graph, m1, {x: sol[x.index] for x in w1_vars})
-                    if all(x in in_model for x in row)]  # (one in no row of the model sits at its bound)
+            rows = [] if i == COUPLE_PATH_ROUNDS else [row for row in path_rows(graph, m1, x) if lag.add(row)]
             for row in rows:
-                for h in (lag, master):
-                    h.addRow(-math.inf, 0.0, len(row), [x.index for x in row], list(row.values()))
+                master.addRow(-math.inf, 0.0, len(row), [var.index for var in row], list(row.values()))
             added += len(rows)
             if not rows:
-                break
-        else:
-            lag.run()
-        return added if lag.modelStatusToString(lag.getModelStatus()) == "Optimal" else None
+                return added
 
     y: dict[int, float] = {}
     best, value, k, converged = -math.inf, math.inf, 0, False
@@ -609,11 +592,11 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
         finally:
             m2.prob.setObjective(objective2)
         for v in shared:
-            lag.changeColCost(col[v], cost1[v] - y.get(v, 0.0))
+            lag.h.changeColCost(col[v], cost1[v] - y.get(v, 0.0))
         added = None if out["bound"] is None else tighten()
         if added is None:
             break
-        best = max(best, lag.getInfo().objective_function_value + const1 + out["bound"])
+        best = max(best, lag.objective + out["bound"])
         log.info("coupled bound: round %d, bound %.6g, master %.6g (%.1f s)", k, best * m1.time_unit,
                  value * m1.time_unit, _time.perf_counter() - t0)
         # (the master's last value is its value before this round's rows: met only where none came)
@@ -644,6 +627,17 @@ PATH_STALL_ROUNDS = 3  # over this many rounds; and the rows are kept only if th
 PATH_KEEP_GAIN = 0.02  # this share (GPT-2 d2/d3 and ResNet-50 d2 at 0.5x: 0, hundreds of tight rows)
 
 
+def _highs_lp(m: InstantModel):
+    """`m` as a silent HiGHS model in memory (`m.prob.solverModel`; each variable's `index` is
+    its column), for LPs solved and changed in place."""
+    import highspy
+    ilp.highs_ready()
+    m.prob.solverModel = h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    pulp.HiGHS(mip=False, msg=False).buildSolverModel(m.prob)
+    return h
+
+
 class _Relaxation:
     """The LP relaxation of `m` with rows added as they are separated: in HiGHS (highspy) in
     memory, each solve from the last basis; without highspy, CBC through PuLP (the rows go
@@ -652,15 +646,12 @@ class _Relaxation:
     def __init__(self, m: InstantModel):
         self.m = m
         self.cols = m.prob.variables()
+        self.in_model = set(self.cols)
         self.rows: list[tuple[str, dict]] = []
         self.highs = ilp.highs_available()
         self.h = None
         if self.highs:
-            import highspy
-            ilp.highs_ready()
-            m.prob.solverModel = self.h = highspy.Highs()
-            self.h.setOptionValue("output_flag", False)
-            pulp.HiGHS(mip=False, msg=False).buildSolverModel(m.prob)
+            self.h = _highs_lp(m)
             self.first_row = self.h.getNumRow()
 
     def solve(self) -> dict | None:
@@ -681,13 +672,18 @@ class _Relaxation:
         self.objective = pulp.value(self.m.prob.objective)
         return {var: var.varValue or 0.0 for var in self.cols}
 
-    def add(self, row: dict) -> None:
+    def add(self, row: dict) -> bool:
+        """Add the row `sum <= 0`, unless a variable of it is in no row of the model (it sits at
+        its bound there); whether it was added."""
+        if not all(var in self.in_model for var in row):
+            return False
         name = f"path_{len(self.rows)}"
         self.rows.append((name, row))
         if self.highs:
             self.h.addRow(-math.inf, 0.0, len(row), [var.index for var in row], list(row.values()))
         else:
             self.m.prob.addConstraint(pulp.LpAffineExpression(list(row.items())) <= 0, name)
+        return True
 
     def keep(self, solved: int, worth: bool = True) -> int:
         """Leave in `m.prob` the rows tight at the last solve (which had the first `solved` rows)
@@ -795,7 +791,6 @@ def add_path_rows(graph: Graph, m: InstantModel, *, time_limit: float | None = N
         return out
     t0 = _time.perf_counter()
     lp = _Relaxation(m)
-    in_model = set(lp.cols)
     solved = 0  # rows added before the last LP
     base = (m.prob.objective.constant or 0.0) * m.time_unit
     history: list[float] = []
@@ -816,8 +811,7 @@ def add_path_rows(graph: Graph, m: InstantModel, *, time_limit: float | None = N
         if not rows:
             break
         for row in rows:
-            if all(var in in_model for var in row):  # (one in no row of the model sits at its bound)
-                lp.add(row)
+            lp.add(row)
     # (rows that hardly lift the LP only slow the MIP down: none are kept then)
     gain = PATH_KEEP_GAIN if keep_gain is None else keep_gain
     worth = len(history) > 1 and history[-1] - history[0] >= gain * (history[0] - base)
