@@ -647,16 +647,32 @@ def cbc_limit_within(seconds: float) -> float:
     return (seconds - WATCHDOG_GRACE[1] - WATCHDOG_KILL_S) / WATCHDOG_GRACE[0]
 
 
-class _HiGHSWithStart(pulp.HiGHS):
-    """PuLP's HiGHS solver, handing the variables' current values to HiGHS as a MIP start (PuLP
-    passes HiGHS none; highspy's setSolution takes one, and HiGHS ignores it if infeasible)."""
+class _HiGHSRun(pulp.HiGHS):
+    """PuLP's HiGHS solver with two things PuLP does not pass through highspy: with `start`, the
+    variables' current values as a MIP start (highspy's setSolution; HiGHS ignores an infeasible
+    one), and `give_up(running seconds, dual bound in model units or None)`, asked at HiGHS's MIP
+    interrupt checks (its root cut loop included), which stops the solve when it returns True (the
+    status is then "Interrupted by user": the incumbent and the bound stand, nothing is proven)."""
+
+    def __init__(self, *args, start: bool = False, give_up: Callable[[float, float | None], bool] | None = None,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.start, self.give_up = start, give_up
 
     def callSolver(self, lp):
         import highspy
-        start = highspy.HighsSolution()
-        start.col_value = [float(v.varValue) if v.varValue is not None else 0.0 for v in lp.variables()]
-        start.value_valid = True
-        lp.solverModel.setSolution(start)  # columns are lp.variables() in order (buildSolverModel)
+        if self.start:
+            start = highspy.HighsSolution()
+            start.col_value = [float(v.varValue) if v.varValue is not None else 0.0 for v in lp.variables()]
+            start.value_valid = True
+            lp.solverModel.setSolution(start)  # columns are lp.variables() in order (buildSolverModel)
+        if self.give_up is not None:
+            def check(event) -> None:
+                out = event.data_out
+                bound = out.mip_dual_bound if math.isfinite(out.mip_dual_bound) else None
+                if self.give_up(out.running_time, bound):
+                    event.interrupt()
+            lp.solverModel.cbMipInterrupt.subscribe(check)
         super().callSolver(lp)
 
 
@@ -827,12 +843,15 @@ def highs_ready() -> None:
 
 def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: int | None,
          warm: bool, msg: bool, options: list[str] | None = None,
-         progress: Callable[[dict], None] | None = None, stop_at: float | None = None) -> dict:
+         progress: Callable[[dict], None] | None = None, stop_at: float | None = None,
+         give_up: Callable[[float, float | None], bool] | None = None) -> dict:
     """Solve the model; return {'sol_status', 'objective', 'bound', 'proven', 'result'} in model units.
 
     `progress`, if given, is called with {"elapsed", "incumbent", "lower_bound", "gap"} (seconds
     of the schedule, not of the solve) whenever CBC's log shows a new incumbent or bound.
     `stop_at` (seconds of the schedule; CBC only): stop once an incumbent is that fast.
+    `give_up(elapsed seconds of the solve, lower bound in seconds of the schedule or None)` (HiGHS
+    only; `_HiGHSRun`): stop the solve when it returns True.
     """
     offset = m.prob.objective.constant or 0.0  # solvers report objectives without the constant
     cb = None
@@ -881,8 +900,10 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
                 "result": result, "infeasible": "infeasible" in result.lower(), "watchdog": info.get("watchdog")}
     if backend == "highs":
         try:
-            solver = (_HiGHSWithStart if warm else pulp.HiGHS)(
-                msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None, threads=threads)
+            asked = None if give_up is None else (
+                lambda elapsed, bnd: give_up(elapsed, None if bnd is None else (bnd + offset) * m.time_unit))
+            solver = _HiGHSRun(msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None, threads=threads,
+                               start=warm, give_up=asked)
         except Exception as e:  # pragma: no cover
             raise SolverError(f"HiGHS backend unavailable ({e}); install highspy or use --backend cbc")
         if not solver.available():

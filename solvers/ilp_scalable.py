@@ -42,7 +42,13 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    ResNet-50 d2 at 0.3x 1.1895 where the whole model plateaus at 1.1818, U-Net d3 at 0.3x
    1.1878 (1.1847).  Both the whole model and each window first get the path rows their LP
    violates (`instant_ip.add_path_rows`): U-Net d3 at 0.3x, the whole model's bound 1.1847 ->
-   1.2415 in the worker's 70 s, above the split's sum (1.2293).
+   1.2415 in the worker's 70 s, above the split's sum (1.2293).  With HiGHS and a long enough
+   limit (`COUPLE_SHARE` of it at least `COUPLE_MIN_S`), the split's start is then coupled
+   (`instant_ip.couple_split`: "Coupled windows" ending at the split's tightest instant, its
+   windows after it kept) for `COUPLE_SHARE` of the step, the split keeping
+   `SPLIT_COUPLED_SHARE` and the whole model the rest: ResNet-50 d2 at 0.3x 1.1894 -> 1.1917
+   in the two-minute run (coupled at 176, ending at 202), where the whole model's 46 s give
+   1.1723; U-Net d3 at 0.3x 1.2415 -> 1.2411 (its whole model, 46 s instead of 65).
 0d. Neighbourhood search in the instant IP (recompute-only plans; with swap too, for
    `LNS_SWAP_SHARE` of the time, the coarse ILP after it being where swap plans come from: U-Net
    d3 and ResNet-50 d2 at 0.3x with swap 1.312 / 1.274 -> 1.279 / 1.257): free the P and N of one region of
@@ -195,6 +201,14 @@ SPLIT_SHARE = 0.35     # of step 0c's time, for the split bound after the instan
 SPLIT_MIN_S = 25.0     # and at least this long, up to 60 % of the step (its first window needs a root LP and cuts)
 SPLIT_WHOLE_MAX_S = 150.0  # and where it follows, the whole model runs at most this long (its bound plateaus: U-Net d3
                        # at 0.3x 1.183 from 40 s to 540 s; the split's hard window needs the time: 0.1688, proven in 1525 s)
+COUPLE_SHARE = 0.4     # with HiGHS: of step 0c's time, for coupling the split's start after it (`instant_ip.couple_split`),
+COUPLE_MIN_S = 30.0    # where that is at least this long (ResNet-50 d2 at 0.3x: it passes the split after ~40 s)
+COUPLE_MAX_S = 300.0   # and at most this long (a long limit's rest goes to the split, which runs first);
+SPLIT_COUPLED_SHARE = 0.15  # the split then runs first, for this share (ResNet-50 d2 at 0.3x: 1.1894 in 15 s as in 35),
+                       # the whole model the rest (U-Net d3 at 0.3x: 1.2411 in 45 s, 1.2415 in 70)
+WHOLE_GIVE_UP_SHARE = 0.3  # and it gives up, for the coupling, where its bound is still below the split's after this
+                       # share of its time (ResNet-50 d2 at 0.3x: at the root, 1.1734 after 58 s; U-Net d3 at
+                       # 0.3x passes the split in 8 s)
 
 
 def _recompute_in(graph: Graph, schedule: Schedule, window: tuple[int, int]) -> float:
@@ -587,13 +601,30 @@ def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, s
     prove its optimum, recompute only, on a graph with tight backward instants, the split bound
     (`instant_ip.split_bound`) for the rest of the time: with a limit, the split bound keeps
     `SPLIT_SHARE` of it, or `SPLIT_MIN_S` up to 60 % of it, and all but `SPLIT_WHOLE_MAX_S` of a
-    long one.  Returns `instant_ip.solve`'s dict with "split": `split_bound`'s dict or None."""
+    long one.  With HiGHS and a limit whose `COUPLE_SHARE` is at least `COUPLE_MIN_S`, that share
+    goes to coupling the split's start after it (`instant_ip.couple_split`), the whole model gets
+    1 - `SPLIT_COUPLED_SHARE` - `COUPLE_SHARE` of the limit (at most `SPLIT_WHOLE_MAX_S`) and the
+    split the rest.  Returns `instant_ip.solve`'s dict with "split": `split_bound`'s dict or None,
+    and "coupled": `couple_split`'s dict or None."""
     t0 = _time.perf_counter()
     cuts = [] if swap else instant_ip.split_candidates(graph, budget_bytes)
-    first = time_limit if time_limit is None or not cuts else min(
-        SPLIT_WHOLE_MAX_S, max(1.0, time_limit - max(SPLIT_SHARE * time_limit, min(SPLIT_MIN_S, 0.6 * time_limit))))
+    couple = bool(cuts) and time_limit is not None and COUPLE_SHARE * time_limit >= COUPLE_MIN_S \
+        and backend == "highs" and ilp.highs_available()
+    split = give_up = None
+    if couple:  # the split first, the whole model (given up where it stays below the split), the coupling
+        coupled_s = min(COUPLE_SHARE * time_limit, COUPLE_MAX_S)
+        whole_s = min(SPLIT_WHOLE_MAX_S, (1 - SPLIT_COUPLED_SHARE - COUPLE_SHARE) * time_limit)
+        split = instant_ip.split_bound(graph, budget_bytes, threads=threads, backend=backend, cuts=cuts,
+                                       time_limit=max(SPLIT_COUPLED_SHARE * time_limit, time_limit - coupled_s - whole_s))
+        first = min(SPLIT_WHOLE_MAX_S, max(1.0, time_limit - (_time.perf_counter() - t0) - coupled_s))
+        if split is not None:
+            target, check = split["bound"], WHOLE_GIVE_UP_SHARE * first
+            give_up = lambda elapsed, bound: elapsed >= check and (bound is None or bound < target)  # noqa: E731
+    else:
+        first = time_limit if time_limit is None or not cuts else min(SPLIT_WHOLE_MAX_S, max(
+            1.0, time_limit - max(SPLIT_SHARE * time_limit, min(SPLIT_MIN_S, 0.6 * time_limit))))
     out = instant_ip.solve(graph, budget_bytes, swap=swap, threads=threads, backend=backend, time_limit=first,
-                           **options)
+                           give_up=give_up, **options)
     if not swap and out["proven"] and out["schedule"] is not None:
         # a proven optimum that peaks over in every rebuild order: rows where it does, as the exact
         # mode does (instant_ip "Rebuild moments on demand", which returns at once when the plan
@@ -601,11 +632,16 @@ def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, s
         rest = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
         out = instant_ip.solve_on_demand(graph, budget_bytes, out, time_limit=rest, threads=threads,
                                          start=options.get("start"), backend=backend)
-    out["split"] = None
+    out["split"] = out["coupled"] = None
     if cuts and not out["proven"] and not out["infeasible"]:
-        rest = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
-        out["split"] = instant_ip.split_bound(graph, budget_bytes, threads=threads, backend=backend, time_limit=rest,
-                                              cuts=cuts)
+        if not couple:
+            rest = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
+            split = instant_ip.split_bound(graph, budget_bytes, threads=threads, backend=backend, time_limit=rest,
+                                           cuts=cuts)
+        out["split"] = split
+        rest = None if time_limit is None else time_limit - (_time.perf_counter() - t0)
+        if couple and split is not None and not split["proven"] and rest >= 1.0:
+            out["coupled"] = instant_ip.couple_split(graph, budget_bytes, split, time_limit=rest, threads=threads)
     return out
 
 
@@ -865,6 +901,10 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
         if split is not None:
             notes["split_bound"] = {"bound": split["bound"], "cuts": split["cuts"], "proven": split["proven"]}
             raise_bound(split["bound"], source.replace("instant IP", "instant IP split at tight instants"))
+        co = out.get("coupled")
+        if co is not None:
+            notes["coupled_bound"] = dict(co)
+            raise_bound(co["bound"], source.replace("instant IP", f"instant IP split, coupled at {co['cut']}"))
 
     # 0. cheap bounds and the fine baselines
     if not swap and not recompute_backward:

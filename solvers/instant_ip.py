@@ -140,6 +140,18 @@ for holding them (0.0091 with nothing held).  A cut elsewhere gave less (before 
 176 converged at 0.0984: 188 or 193, 0.0846 / 0.0834 on (0, 202]; (0, 196] coupled at 176,
 0.0442 against the split's 0.048).
 
+In the scalable mode's two minutes (`couple_split`, after the split): e = the split's tightest
+point (least room beyond what every schedule holds; the earliest of equals: ResNet-50 d2 at
+0.3x, 202 and 208 both 11.7 MiB), c = the latest instant whose window (c, e] has at least
+`COUPLE_W2_VARS` variables (`couple_cut`: 176 there), the split's best windows from e on kept.
+Each pricing gets `COUPLE_PRICE_S` (5 s, unproven: its bound is what counts) and W1 two rounds
+of path rows (`COUPLE_SPLIT_PATH_ROUNDS`; ten make a round 10-20 s instead of 6-7): 40 s give
+0.0880 on (0, 202] (ten rounds of rows: 0.0859; the split, 0.0858).  A last long pricing at the
+final prices (rounds of 5 s, then 15-36 s) gave less in the same time and was left.  On small
+graphs, whose split windows are proven, W1's LP is weaker than the split's first windows
+(random_layered(20, seed 4) at 0.65x: 178.75 against 179), and U-Net d3 at 0.3x coupled at 87
+ends below its split: the caller keeps the best bound.
+
 Path rows (`add_path_rows`, recompute only)
 -------------------------------------------
 The LP relaxation rebuilds a value in slivers: with its input u held at 0.06 from instant t1 on,
@@ -452,7 +464,8 @@ def split_bound(graph: Graph, budget_bytes: int, *, time_limit: float | None = 3
                 backend: str = "cbc", cuts: list[int] | None = None) -> dict | None:
     """The lower bound of "Split at tight instants": {"bound": seconds, "cuts": the instants cut
     at, "windows": [(a, b, recompute bound in seconds, proven)], "proven": every window chosen
-    solved to optimality}; None without candidates (`split_candidates`, or `cuts` when given).
+    solved to optimality, "tails": candidate (and the last instant) -> the best sum of windows
+    from it to the end}; None without candidates (`split_candidates`, or `cuts` when given).
     The windows between candidates (or a candidate and the end), small ones first, share half of
     1 - `SPLIT_FIRST` of the time (what one leaves goes to the next); the first window (from 0 to
     the first candidate) gets up to `SPLIT_FIRST` of it (all that is left when the best cuts so far
@@ -495,11 +508,15 @@ def split_bound(graph: Graph, budget_bytes: int, *, time_limit: float | None = 3
 
     head = (0, points[0])
 
-    def best_cuts() -> tuple[float, list[tuple[int, int]]]:  # the longest path from 0 to the end
+    def paths() -> dict[int, tuple[float, list]]:  # from each point, the longest path to the end
         path: dict[int, tuple[float, list]] = {graph.n - 1: (0.0, [])}
         for a in reversed(points):
             path[a] = max(((got[a, b][0] + path[b][0], [(a, b)] + path[b][1]) for b in ends if b > a),
                           key=lambda x: x[0])
+        return path
+
+    def best_cuts() -> tuple[float, list[tuple[int, int]]]:  # the longest path from 0 to the end
+        path = paths()
         return got[head][0] + path[points[0]][0], [head] + path[points[0]][1]
 
     def unproven_on_best() -> list[tuple[int, int]]:
@@ -520,7 +537,8 @@ def split_bound(graph: Graph, budget_bytes: int, *, time_limit: float | None = 3
              _time.perf_counter() - t0)
     return {"bound": graph.total_time + value, "cuts": [a for a, _ in chosen[1:]],
             "windows": [(a, b, got[a, b][0], got[a, b][1]) for a, b in chosen],
-            "proven": all(got[w][1] for w in chosen)}
+            "proven": all(got[w][1] for w in chosen),
+            "tails": {a: tail for a, (tail, _) in paths().items()}}
 
 
 COUPLE_EPS = 1e-6   # coupled_bound: converged when the bound is within this share of the master's value
@@ -529,7 +547,7 @@ COUPLE_PATH_ROUNDS = 10  # and W1's Lagrangian LP gets at most this many rounds 
 
 def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_limit: float | None = 300.0,
                   price_limit: float = 60.0, rounds: int = 30, backend: str = "highs",
-                  threads: int | None = None) -> dict | None:
+                  threads: int | None = None, path_rounds: int = COUPLE_PATH_ROUNDS) -> dict | None:
     """The bound of "Coupled windows" on the recomputation in the intervals 1..`end` (the windows
     (0, `cut`] and (`cut`, `end`] coupled through the residents at `cut`): {"bound": seconds,
     "master": seconds (the last master LP's value: what more columns alone could reach at most),
@@ -567,11 +585,11 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
 
     def tighten() -> int | None:  # W1's Lagrangian LP with the path rows it violates (into the master too):
         added = 0                 # how many, None if the LP has no optimum
-        for i in range(COUPLE_PATH_ROUNDS + 1):
+        for i in range(path_rounds + 1):
             x = lag.solve()
             if x is None:
                 return None
-            rows = [] if i == COUPLE_PATH_ROUNDS else [row for row in path_rows(graph, m1, x) if lag.add(row)]
+            rows = [] if i == path_rounds else [row for row in path_rows(graph, m1, x) if lag.add(row)]
             for row in rows:
                 master.addRow(-math.inf, 0.0, len(row), [var.index for var in row], list(row.values()))
             added += len(rows)
@@ -616,6 +634,67 @@ def coupled_bound(graph: Graph, budget_bytes: int, cut: int, end: int, *, time_l
         return None
     return {"bound": max(0.0, best * m1.time_unit), "master": value * m1.time_unit, "rounds": k,
             "converged": converged}
+
+
+COUPLE_W2_VARS = 1500  # couple_split: the second window is the shortest one ending at the split's tightest point
+#                        with at least this many P and N variables (ResNet-50 d2 at 0.3x: (176, 202], 1551)
+COUPLE_PRICE_S = 5.0  # and each pricing gets this long (unproven, its bound counts; 30-60 s would prove it)
+COUPLE_SPLIT_PATH_ROUNDS = 2  # with this many rounds of W1's path rows per pricing (10: a round takes 10-20 s
+#                        instead of 6-7; ResNet-50 d2 at 0.3x after 40 s, 0.0859 of the step instead of 0.0880)
+
+
+def window_size(graph: Graph, a: int, b: int) -> int:
+    """Number of P and N variables of the window model (a, b] (`build(window=(a, b))`), computed
+    without building it."""
+    hor = horizons(graph)
+    count = 0
+    for v, node in enumerate(graph.nodes):
+        if node.kind == "forward" and node.bytes > 0:
+            last = min(hor[v], b)
+            count += max(0, last - max(v + 1, a) + 1) + max(0, last - max(v + 2, a + 1) + 1)
+    return count
+
+
+def couple_cut(graph: Graph, end: int, least: int | None = None) -> int | None:
+    """The latest instant c < `end` whose window (c, `end`] has at least `least` (default
+    `COUPLE_W2_VARS`) P and N variables (`window_size`), None when even (0, `end`] has fewer."""
+    least = COUPLE_W2_VARS if least is None else least
+    if window_size(graph, 0, end) < least:
+        return None
+    lo, hi = 0, end - 1  # window_size(lo, end) >= least; the size shrinks as the start moves later
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if window_size(graph, mid, end) >= least:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def couple_split(graph: Graph, budget_bytes: int, split: dict, *, time_limit: float | None,
+                 threads: int | None = None) -> dict | None:
+    """The split's bound with its start coupled ("Coupled windows" after "Split at tight
+    instants"): the windows before the split's tightest point e (the least room beyond what every
+    schedule holds; the earliest of equals) replaced by the coupled bound of (0, c] and (c, e]
+    (c = `couple_cut(e)`), pricing `COUPLE_PRICE_S` each, the split's best windows from e on
+    kept.  Returns {"bound": seconds of the whole step, "cut": c, "end": e, "rounds", "converged"},
+    or None (no highspy, no cut, or the coupling found nothing)."""
+    points = [a for a in split["tails"] if 0 < a < graph.n - 1]
+    if not points:
+        return None
+    cap = budget_bytes - graph.fixed_bytes
+    forced = forced_loads(graph)
+    end = min(points, key=lambda t: (cap - forced[t], t))
+    cut = couple_cut(graph, end)
+    if cut is None or cut <= 0:
+        return None
+    co = coupled_bound(graph, budget_bytes, cut, end, time_limit=time_limit, price_limit=COUPLE_PRICE_S,
+                       threads=threads, path_rounds=COUPLE_SPLIT_PATH_ROUNDS,
+                       rounds=10 ** 6 if time_limit is not None else 30)  # (rounds until the time is up)
+    if co is None:
+        return None
+    return {"bound": graph.total_time + co["bound"] + split["tails"][end], "cut": cut, "end": end,
+            "rounds": co["rounds"], "converged": co["converged"]}
 
 
 PATH_ROUNDS = 30     # path rows: at most this many rounds of separation against the LP,
@@ -978,7 +1057,7 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
           time_limit: float | None = 30.0, threads: int | None = None, start: Schedule | None = None,
           msg: bool = False, progress=None, in_stage: bool = False, backend: str = "cbc",
           region: set[int] | None = None, strict: bool = False, instants: tuple[int, int] | None = None,
-          moments: dict[int, bool] | None = None, path: bool = True) -> dict:
+          moments: dict[int, bool] | None = None, path: bool = True, give_up=None) -> dict:
     """Run CBC (or HiGHS) on the instant IP, from `start` when given.  Returns {"bound": seconds
     or None, "schedule": Schedule or None, "objective": seconds or None, "proven": bool,
     "infeasible": bool, "variables": int}.  The bound is valid for every schedule whose backward
@@ -994,7 +1073,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     rebuild-moment rows only in those intervals (`build`; its bound is dropped where one is
     strict).  `path`: recompute only, where the bound counts (no region, no instants, not
     strict), first add the path rows its LP violates (`add_path_rows`, for up to `PATH_SHARE`
-    of the time limit)."""
+    of the time limit).  `give_up(elapsed, bound in seconds or None)` (HiGHS only, `ilp._run`):
+    stop the solve when it returns True."""
     m = build(graph, budget_bytes, swap=swap, bandwidth=bandwidth, in_stage=in_stage, strict=strict,
               moments=moments)
     strict = strict or any((moments or {}).values())
@@ -1015,7 +1095,8 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     nvar = len(m.P) + len(m.N) + len(m.SI) + len(m.O) + len(m.H) + len(m.Z) + len(m.K)
     log.info("instant IP: %d variables, %d rows, warm start %s", nvar, len(m.prob.constraints), warm)
     try:
-        out = ilp._run(m, backend, time_limit, 0.0, threads, warm, msg, progress=progress if backend == "cbc" else None)
+        out = ilp._run(m, backend, time_limit, 0.0, threads, warm, msg, progress=progress if backend == "cbc" else None,
+                       give_up=give_up)
     except SolverError as e:
         log.info("instant IP: %s failed (%s)", backend, e)
         return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": False,

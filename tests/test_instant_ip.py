@@ -538,3 +538,61 @@ def test_coupled_bound_needs_highs_and_a_cut_inside(monkeypatch):
     assert instant_ip.coupled_bound(g, budget, 16, 16) is None
     monkeypatch.setattr(instant_ip.ilp, "highs_available", lambda: False)
     assert instant_ip.coupled_bound(g, budget, 16, g.n - 1) is None
+
+
+def test_window_size_counts_the_window_models_variables_and_places_the_coupling_cut():
+    g = random_layered(20, seed=4)
+    budget = parse_budget("0.65x", g)
+    for a, b in [(0, g.n - 1), (0, 31), (29, 31), (12, 35), (30, 31)]:
+        m = instant_ip.build(g, budget, window=(a, b))
+        assert instant_ip.window_size(g, a, b) == len(m.P) + len(m.N), (a, b)
+    for least in (20, 40, 80):
+        cut = instant_ip.couple_cut(g, 31, least)
+        assert instant_ip.window_size(g, cut, 31) >= least > instant_ip.window_size(g, cut + 1, 31)
+    assert instant_ip.couple_cut(g, 31, instant_ip.window_size(g, 0, 31) + 1) is None
+
+
+@needs_highs
+def test_couple_split_couples_the_splits_start_at_its_tightest_point_and_stays_below_the_optimum(monkeypatch):
+    # random_layered(20, seed 4) at 0.65x: optimum 187 (the exact ILP), split 179; the coupling
+    # ends at the split's tightest point, keeps the split's windows after it, and is a bound
+    g = random_layered(20, seed=4)
+    budget = parse_budget("0.65x", g)
+    split = instant_ip.split_bound(g, budget, time_limit=30, threads=1, backend="highs")
+    monkeypatch.setattr(instant_ip, "COUPLE_W2_VARS", 40)
+    out = instant_ip.couple_split(g, budget, split, time_limit=30, threads=1)
+    cap = budget - g.fixed_bytes
+    forced = instant_ip.forced_loads(g)
+    points = [t for t in split["tails"] if 0 < t < g.n - 1]
+    assert out["end"] == min(points, key=lambda t: (cap - forced[t], t))
+    assert out["cut"] == instant_ip.couple_cut(g, out["end"], 40)
+    co = instant_ip.coupled_bound(g, budget, out["cut"], out["end"], time_limit=30, threads=1,
+                                  price_limit=instant_ip.COUPLE_PRICE_S,
+                                  path_rounds=instant_ip.COUPLE_SPLIT_PATH_ROUNDS)
+    assert out["bound"] == pytest.approx(g.total_time + co["bound"] + split["tails"][out["end"]])
+    assert g.total_time + split["tails"][out["end"]] < out["bound"] <= 187.0 + 1e-9
+    for name, sched, res in fitting_schedules(g, budget):
+        if not any(op.op == "swap_in" for op in sched.ops):
+            assert out["bound"] <= res.time * (1 + 1e-9), name
+    assert instant_ip.couple_split(g, budget, dict(split, tails={g.n - 1: 0.0}), time_limit=30) is None
+    monkeypatch.setattr(instant_ip, "COUPLE_W2_VARS", 10 ** 6)  # (no window that large: no cut)
+    assert instant_ip.couple_split(g, budget, split, time_limit=30) is None
+
+
+@needs_highs
+def test_highs_gives_up_when_asked_with_its_bound_in_seconds_of_the_schedule():
+    # random_layered(20, seed 2) at 0.6x: the instant IP's optimum is 157 (proven below); a
+    # `give_up` that says yes at once stops HiGHS unproven with a bound still below it, and the
+    # bounds it is shown are seconds of the schedule (at most the optimum), not model units
+    g = random_layered(20, seed=2)
+    budget = parse_budget("0.6x", g)
+    seen: list = []
+    out = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs", path=False,
+                           give_up=lambda elapsed, bound: seen.append((elapsed, bound)) or True)
+    assert len(seen) >= 1 and not out["proven"]
+    assert out["bound"] is None or out["bound"] <= 157.0 + 1e-6
+    full = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs", path=False,
+                            give_up=lambda elapsed, bound: seen.append((elapsed, bound)) and False)
+    assert full["proven"] and full["objective"] == pytest.approx(157.0)
+    bounds = [b for _, b in seen if b is not None]
+    assert bounds and all(g.total_time * 0.5 < b <= 157.0 + 1e-6 for b in bounds)

@@ -585,3 +585,78 @@ def test_a_long_time_limit_goes_to_the_split_bound_not_the_whole_instant_ip(monk
     ilp_scalable.instant_step(g, budget, time_limit=120.0, threads=1)  # two minutes: as before
     assert limits["whole"] == pytest.approx(120.0 * (1 - ilp_scalable.SPLIT_SHARE))
     assert limits["split"] == pytest.approx(120.0 * ilp_scalable.SPLIT_SHARE)
+
+
+def test_with_highs_the_split_start_is_coupled_in_the_time_the_whole_model_gives_up(monkeypatch):
+    # ResNet-50 d2 at 0.3x: the whole model plateaus below the split (which needs 15 s), and the
+    # coupling passes the split after ~40 s.  With HiGHS and COUPLE_SHARE of the limit at least
+    # COUPLE_MIN_S: the split first, then the whole model, told to give up where its bound is still
+    # below the split's after WHOLE_GIVE_UP_SHARE of its time, then the coupling with the rest
+    from remat.solvers import instant_ip
+    g = unet(4)
+    budget = parse_budget("0.6x", g)
+    assert instant_ip.split_candidates(g, budget)
+    limits: dict = {}
+    asked: dict = {}
+    clock = [0.0]
+    proven = [False]
+
+    def runs_to_its_limit(key, result):
+        def run(graph, budget_bytes, *a, time_limit=None, **k):
+            limits[key] = time_limit
+            asked[key] = k.get("give_up")
+            clock[0] += time_limit
+            return result() if callable(result) else result
+        return run
+
+    monkeypatch.setattr(instant_ip.ilp, "highs_available", lambda: True)
+    monkeypatch.setattr(instant_ip, "solve", runs_to_its_limit("whole", {
+        "bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": False, "variables": 0}))
+    monkeypatch.setattr(instant_ip, "split_bound", runs_to_its_limit("split", lambda: {
+        "bound": 1000.0, "cuts": [], "windows": [], "proven": proven[0], "tails": {}}))
+    monkeypatch.setattr(instant_ip, "couple_split", runs_to_its_limit("coupled", {"bound": 2.0, "cut": 1, "end": 2}))
+    monkeypatch.setattr(ilp_scalable._time, "perf_counter", lambda: clock[0])
+    share, split_share = ilp_scalable.COUPLE_SHARE, ilp_scalable.SPLIT_COUPLED_SHARE
+    out = ilp_scalable.instant_step(g, budget, time_limit=120.0, threads=1, backend="highs")
+    whole = 120.0 * (1 - share - split_share)
+    assert limits == pytest.approx({"whole": whole, "split": 120.0 * split_share, "coupled": 120.0 * share})
+    assert out["coupled"] == {"bound": 2.0, "cut": 1, "end": 2}
+    give_up, check = asked["whole"], ilp_scalable.WHOLE_GIVE_UP_SHARE * whole
+    assert not give_up(check - 0.1, 900.0) and give_up(check + 1e-6, 900.0) and give_up(check + 1e-6, None)
+    assert not give_up(check, 1000.0) and not give_up(2 * check, 1001.0)
+    limits.clear()  # a long limit: the coupling at most COUPLE_MAX_S, the rest to the split
+    ilp_scalable.instant_step(g, budget, time_limit=1800.0, threads=1, backend="highs")
+    assert limits == pytest.approx({"whole": ilp_scalable.SPLIT_WHOLE_MAX_S, "coupled": ilp_scalable.COUPLE_MAX_S,
+                                    "split": 1800.0 - ilp_scalable.COUPLE_MAX_S - ilp_scalable.SPLIT_WHOLE_MAX_S})
+    limits.clear()  # too short a limit for COUPLE_MIN_S, or CBC: the whole model, then the split, as before
+    for limit, backend in ((ilp_scalable.COUPLE_MIN_S / share - 1.0, "highs"), (120.0, "cbc")):
+        out = ilp_scalable.instant_step(g, budget, time_limit=limit, threads=1, backend=backend)
+        assert "coupled" not in limits and out["coupled"] is None and asked["whole"] is None
+        assert limits["whole"] + limits["split"] == pytest.approx(limit)
+    proven[0] = True  # a split that proved every window: nothing to couple
+    out = ilp_scalable.instant_step(g, budget, time_limit=120.0, threads=1, backend="highs")
+    assert "coupled" not in limits and out["coupled"] is None and out["split"]["proven"]
+
+
+def test_the_coupled_bound_reaches_the_report_where_it_passes_the_split(monkeypatch):
+    # unet(4) at 0.6x, optimum 595: with the whole instant IP giving nothing, a split of 580 and a
+    # coupling of 590 (both faked; the real ones are tested in test_instant_ip), the report's bound
+    # is the coupling's, named so
+    from remat.solvers import instant_ip
+    if not ilp.highs_available():
+        pytest.skip("the coupling runs with HiGHS only")
+    g = unet(4)
+    budget = parse_budget("0.6x", g)
+    monkeypatch.setattr(instant_ip, "solve", lambda graph, b, **k: {
+        "bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": False, "variables": 0})
+    monkeypatch.setattr(instant_ip, "split_bound", lambda graph, b, **k: {
+        "bound": 580.0, "cuts": [26], "windows": [], "proven": False, "tails": {26: 32.0, 42: 0.0}})
+    monkeypatch.setattr(instant_ip, "couple_split", lambda graph, b, split, **k: {
+        "bound": 590.0, "cut": 22, "end": 26, "rounds": 3, "converged": False})
+    monkeypatch.setattr(ilp_scalable, "COUPLE_MIN_S", 0.5)
+    s = ilp_scalable.solve(g, budget, swap=False, time_limit=10, threads=1, coarse_nodes=10, lp_max_nodes=0,
+                           refine_max_nodes=0, full_refine_max_nodes=0)  # (no step that proves 595 itself)
+    r = s.report
+    assert r["lower_bound"] == pytest.approx(590.0) and "coupled at 22" in r["bound_from"]
+    assert r["coupled_bound"]["end"] == 26 and r["split_bound"]["bound"] == pytest.approx(580.0)
+    assert fits(g, s, budget).time >= 595.0 - 1e-9
