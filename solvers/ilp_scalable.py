@@ -45,12 +45,15 @@ model stops proving optimality in a minute on 2 cores); mode="scalable"/"exact" 
    1.2415 in the worker's 70 s, above the split's sum (1.2293).  With HiGHS and a long enough
    limit (`COUPLE_SHARE` of it at least `COUPLE_MIN_S`), the split's start is then coupled
    (`instant_ip.couple_split`: "Coupled windows" ending at the split's tightest instant, its
-   windows after it kept) for `COUPLE_SHARE` of the step, the split keeping
-   `SPLIT_COUPLED_SHARE` and the whole model the rest: ResNet-50 d2 at 0.3x 1.1894 -> 1.1917
-   in the two-minute run (coupled at 176, ending at 202), where the whole model's 46 s give
-   1.1723; U-Net d3 at 0.3x 1.2415 -> 1.2411 (its whole model, 46 s instead of 65).
-0d. Neighbourhood search in the instant IP (recompute-only plans; with swap too, for
-   `LNS_SWAP_SHARE` of the time, the coarse ILP after it being where swap plans come from: U-Net
+   windows after it kept) for `COUPLE_SHARE` of the step (at most `COUPLE_MAX_S`); the split
+   then runs first (`SPLIT_COUPLED_SHARE`), and the whole model, between them, gives up where
+   its HiGHS bound is still below the split's after `WHOLE_GIVE_UP_SHARE` of its time (a
+   `give_up` for `ilp._run`): ResNet-50 d2 at 0.3x 1.1894 -> 1.1923 in the two-minute run
+   (coupled at 176, ending at 202; its whole model, at the root, gives up at ~45 s of 103);
+   U-Net d3 at 0.3x 1.2415 -> 1.2411 (its whole model passes the split at once and runs 46 s
+   instead of 65).
+0d. Neighbourhood search in the instant IP (up to `LNS_MAX_VARS` variables; recompute-only
+   plans; with swap too, for `LNS_SWAP_SHARE` of the time, the coarse ILP after it being where swap plans come from: U-Net
    d3 and ResNet-50 d2 at 0.3x with swap 1.312 / 1.274 -> 1.279 / 1.257): free the P and N of one region of
    forward values (`instant_ip.neighbourhoods`: contiguous runs with equal numbers of
    variables, ends moved to articulation points), fix every other to the best plan, start from
@@ -194,6 +197,8 @@ LNS_REGION_S = 40.0    # at most this long on one region (ResNet-50 at 0.3x: 15 
 #                        layer2 from the 1.2571 plan: 30 s give a plan that peaks over, 40 s give 1.2494)
 LNS_MIN_S = 5.0        # and at least this long
 INSTANT_MAX_VARS = 40_000  # and only with at most this many P and N variables (GPT-2 d3, 46k: no root LP in 50 s)
+LNS_MAX_VARS = 60_000  # the neighbourhood search up to this many (a region fixes two thirds of them: GPT-2 d3 at 0.32x,
+#                        46k, 1.3018 -> 1.2741 in its first region's 41 s)
 WORKER_SHARE = 0.9     # with threads >= 2: of the time left after step 0, for the instant IP in a worker process
 WORKER_START_S = 3.0   # what starting the worker (a fresh interpreter, imports, the model) costs it at most
 WORKER_MAX_VARS = 60_000  # the worker's instant IP may be larger: it has nearly all the time
@@ -201,7 +206,7 @@ SPLIT_SHARE = 0.35     # of step 0c's time, for the split bound after the instan
 SPLIT_MIN_S = 25.0     # and at least this long, up to 60 % of the step (its first window needs a root LP and cuts)
 SPLIT_WHOLE_MAX_S = 150.0  # and where it follows, the whole model runs at most this long (its bound plateaus: U-Net d3
                        # at 0.3x 1.183 from 40 s to 540 s; the split's hard window needs the time: 0.1688, proven in 1525 s)
-COUPLE_SHARE = 0.4     # with HiGHS: of step 0c's time, for coupling the split's start after it (`instant_ip.couple_split`),
+COUPLE_SHARE = 0.4     # with HiGHS: of step 0c's time, for coupling the split's start (`instant_ip.couple_split`),
 COUPLE_MIN_S = 30.0    # where that is at least this long (ResNet-50 d2 at 0.3x: it passes the split after ~40 s)
 COUPLE_MAX_S = 300.0   # and at most this long (a long limit's rest goes to the split, which runs first);
 SPLIT_COUPLED_SHARE = 0.15  # the split then runs first, for this share (ResNet-50 d2 at 0.3x: 1.1894 in 15 s as in 35),
@@ -614,8 +619,9 @@ def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, s
     if couple:  # the split first, the whole model (given up where it stays below the split), the coupling
         coupled_s = min(COUPLE_SHARE * time_limit, COUPLE_MAX_S)
         whole_s = min(SPLIT_WHOLE_MAX_S, (1 - SPLIT_COUPLED_SHARE - COUPLE_SHARE) * time_limit)
+        split_s = max(SPLIT_COUPLED_SHARE * time_limit, time_limit - coupled_s - whole_s)
         split = instant_ip.split_bound(graph, budget_bytes, threads=threads, backend=backend, cuts=cuts,
-                                       time_limit=max(SPLIT_COUPLED_SHARE * time_limit, time_limit - coupled_s - whole_s))
+                                       time_limit=split_s)
         first = min(SPLIT_WHOLE_MAX_S, max(1.0, time_limit - (_time.perf_counter() - t0) - coupled_s))
         if split is not None:
             target, check = split["bound"], WHOLE_GIVE_UP_SHARE * first
@@ -961,6 +967,7 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
 
     instant_vars = instant_ip.size(graph) if use_instant_ip and not recompute_backward else None
     run_instant = instant_vars is not None and instant_vars <= INSTANT_MAX_VARS
+    run_lns = instant_vars is not None and instant_vars <= LNS_MAX_VARS
     if instant_vars is not None and instant_vars <= WORKER_MAX_VARS and (threads or 1) >= 2 and gap_open() \
             and (left() is None or left() > 4.0 + WORKER_START_S):
         limit_w = ilp.INSTANT_CAP_S if limit is None else max(1.0, WORKER_SHARE * left() - WORKER_START_S)
@@ -982,7 +989,7 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
         rounds = 0
         # one round where the neighbourhood search follows: the second round of ResNet-50 d2 at 0.3x
         # found nothing in its 9 s, which layer2's region then missed (1.2494 at 112-114 s instead of 116-117 s)
-        most = 1 if run_instant else SHIFT_ROUNDS
+        most = 1 if run_lns else SHIFT_ROUNDS
         while gap_open() and rounds < most:
             rest = None if until is None else until - _time.perf_counter()
             if rest is not None and rest < 2.0:
@@ -1015,7 +1022,7 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
     # values free (instant_ip.neighbourhoods; the one the plan recomputes most, then the others
     # from the least recomputed), the rest fixed to the plan, started from it; again around each
     # improvement while the share lasts
-    if run_instant and gap_open() and ip_start[0] is not None \
+    if run_lns and gap_open() and ip_start[0] is not None \
             and (left() is None or left() > 2 * LNS_MIN_S):
         until = None if limit is None else _time.perf_counter() + (LNS_SWAP_SHARE if swap else LNS_SHARE) * left()
         regions = instant_ip.neighbourhoods(graph, LNS_PARTS)
