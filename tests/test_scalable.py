@@ -660,3 +660,20 @@ def test_the_coupled_bound_reaches_the_report_where_it_passes_the_split(monkeypa
     assert r["lower_bound"] == pytest.approx(590.0) and "coupled at 22" in r["bound_from"]
     assert r["coupled_bound"]["end"] == 26 and r["split_bound"]["bound"] == pytest.approx(580.0)
     assert fits(g, s, budget).time >= 595.0 - 1e-9
+
+
+def test_the_neighbourhood_search_has_its_own_size_limit(monkeypatch):
+    # GPT-2 d3 (46k instant-IP variables) is over INSTANT_MAX_VARS, the whole model's limit in the
+    # main process, but its regions fix two thirds of them: LNS_MAX_VARS lets the search run there
+    # (0.32x: 1.3018 -> 1.2741).  Here the same on 12 residual blocks at 0.4x (179 from the search)
+    pytest.importorskip("highspy")
+    monkeypatch.setattr(instant_ip, "add_path_rows", lambda *a, **k: {"rows": 0, "separated": 0, "rounds": 0, "lp": None})
+    g = residual_blocks(12, 0)
+    budget = parse_budget("0.4x", g)
+    monkeypatch.setattr(ilp_scalable, "INSTANT_MAX_VARS", 0)
+    s = ilp_scalable.solve(g, budget, swap=False, time_limit=25, threads=1)
+    assert "instant_ip" not in s.report and s.report["neighbourhoods"] >= 1
+    assert fits(g, s, budget).time <= 179.0 + 1e-9
+    monkeypatch.setattr(ilp_scalable, "LNS_MAX_VARS", 0)
+    s = ilp_scalable.solve(g, budget, swap=False, time_limit=10, threads=1)
+    assert "neighbourhoods" not in s.report and "instant_ip" not in s.report
