@@ -606,10 +606,12 @@ def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, s
     prove its optimum, recompute only, on a graph with tight backward instants, the split bound
     (`instant_ip.split_bound`) for the rest of the time: with a limit, the split bound keeps
     `SPLIT_SHARE` of it, or `SPLIT_MIN_S` up to 60 % of it, and all but `SPLIT_WHOLE_MAX_S` of a
-    long one.  With HiGHS and a limit whose `COUPLE_SHARE` is at least `COUPLE_MIN_S`, that share
-    goes to coupling the split's start after it (`instant_ip.couple_split`), the whole model gets
-    1 - `SPLIT_COUPLED_SHARE` - `COUPLE_SHARE` of the limit (at most `SPLIT_WHOLE_MAX_S`) and the
-    split the rest.  Returns `instant_ip.solve`'s dict with "split": `split_bound`'s dict or None,
+    long one.  With HiGHS and a limit whose `COUPLE_SHARE` is at least `COUPLE_MIN_S`, the order
+    changes: the split first (`SPLIT_COUPLED_SHARE` of the limit, or what a long one leaves), then
+    the whole model (1 - `SPLIT_COUPLED_SHARE` - `COUPLE_SHARE` of it, at most `SPLIT_WHOLE_MAX_S`),
+    which gives up where its bound is still below the split's after `WHOLE_GIVE_UP_SHARE` of its
+    time, then, where neither proved its optimum, the coupling of the split's start
+    (`instant_ip.couple_split`) with the rest (`COUPLE_SHARE`, at most `COUPLE_MAX_S`).  Returns `instant_ip.solve`'s dict with "split": `split_bound`'s dict or None,
     and "coupled": `couple_split`'s dict or None."""
     t0 = _time.perf_counter()
     cuts = [] if swap else instant_ip.split_candidates(graph, budget_bytes)
