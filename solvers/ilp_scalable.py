@@ -599,7 +599,8 @@ LP_S_PER_UNIT = 3.5e-4
 
 # ---- step 0c, in line or in a process of its own -----------------------------------------------
 def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, swap: bool = False,
-                 threads: int | None = None, backend: str = "cbc", **options) -> dict:
+                 threads: int | None = None, backend: str = "cbc", interim: Callable[[dict], None] | None = None,
+                 **options) -> dict:
     """Step 0c: the instant IP (`instant_ip.solve`, `options` passed on); when it proves an
     optimum whose plan peaks over in every rebuild order, rebuild-moment rows where it does
     (`instant_ip.solve_on_demand`); and when it does not
@@ -611,8 +612,12 @@ def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, s
     the whole model (1 - `SPLIT_COUPLED_SHARE` - `COUPLE_SHARE` of it, at most `SPLIT_WHOLE_MAX_S`),
     which gives up where its bound is still below the split's after `WHOLE_GIVE_UP_SHARE` of its
     time, then, where neither proved its optimum, the coupling of the split's start
-    (`instant_ip.couple_split`) with the rest (`COUPLE_SHARE`, at most `COUPLE_MAX_S`).  Returns `instant_ip.solve`'s dict with "split": `split_bound`'s dict or None,
-    and "coupled": `couple_split`'s dict or None."""
+    (`instant_ip.couple_split`) with the rest (`COUPLE_SHARE`, at most `COUPLE_MAX_S`).  Returns
+    `instant_ip.solve`'s dict with "split": `split_bound`'s dict or None, and "coupled":
+    `couple_split`'s dict or None.  `interim`, when given, gets the whole model's result (its
+    bound; no schedule, "split" and "coupled" None) as soon as it has one, before the steps after
+    it: random_layered(150) at 0.95x proves its bound 1229 there at ~90 s of the worker, whose
+    rebuild-moment rounds then take 80 s more."""
     t0 = _time.perf_counter()
     cuts = [] if swap else instant_ip.split_candidates(graph, budget_bytes)
     couple = bool(cuts) and time_limit is not None and COUPLE_SHARE * time_limit >= COUPLE_MIN_S \
@@ -633,6 +638,8 @@ def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, s
             1.0, time_limit - max(SPLIT_SHARE * time_limit, min(SPLIT_MIN_S, 0.6 * time_limit))))
     out = instant_ip.solve(graph, budget_bytes, swap=swap, threads=threads, backend=backend, time_limit=first,
                            give_up=give_up, **options)
+    if interim is not None and out["bound"] is not None and not out["infeasible"]:
+        interim(dict(out, split=None, coupled=None, schedule=None))
     if not swap and out["proven"] and out["schedule"] is not None:
         # a proven optimum that peaks over in every rebuild order: rows where it does, as the exact
         # mode does (instant_ip "Rebuild moments on demand", which returns at once when the plan
@@ -655,16 +662,20 @@ def instant_step(graph: Graph, budget_bytes: int, *, time_limit: float | None, s
 
 def _worker_main(task: str, result: str) -> None:
     """The worker process's body (`python -c`): `instant_step` on the pickled (graph, budget,
-    options) in `task`, its result dict (or {"error": ...}) pickled to `result`."""
+    options) in `task`, its result dict (or {"error": ...}) pickled to `result`, and its interim
+    result (the whole model's bound) to `result` + ".interim" when there is one."""
+    def write(out: dict, path: str) -> None:
+        with open(path + ".part", "wb") as fh:
+            pickle.dump(out, fh)
+        os.replace(path + ".part", path)
+
     try:
         with open(task, "rb") as fh:
             graph, budget_bytes, options = pickle.load(fh)
-        out = instant_step(graph, budget_bytes, **options)
+        out = instant_step(graph, budget_bytes, interim=lambda early: write(early, result + ".interim"), **options)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the parent must hear of it
         out = {"error": f"{type(e).__name__}: {e}"}
-    with open(result + ".part", "wb") as fh:
-        pickle.dump(out, fh)
-    os.replace(result + ".part", result)
+    write(out, result)
 
 
 class InstantWorker:
@@ -678,7 +689,8 @@ class InstantWorker:
     would run again, or fail), and "fork" copies a process whose solver threads may hold locks.
     The task and the result travel as pickles in a temporary folder.  `poll(wait)` returns
     `instant_step`'s dict once the worker has ended ({"error": ...} when it failed or died),
-    None before; `close()` stops the process and removes the folder."""
+    None before; `interim()` its interim result, once; `close()` stops the process and removes
+    the folder."""
 
     def __init__(self, graph: Graph, budget_bytes: int, time_limit: float | None, **options) -> None:
         self._dir = tempfile.mkdtemp(prefix="remat_worker_")
@@ -696,6 +708,7 @@ class InstantWorker:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
         self.result: dict | None = None
+        self._interim_taken = False
 
     def poll(self, wait: float = 0.0) -> dict | None:
         if self.result is not None:
@@ -713,6 +726,19 @@ class InstantWorker:
                 tail = fh.read()[-300:].decode(errors="replace").strip()
             self.result = {"error": f"the worker exited with code {self._proc.returncode} ({tail or 'no message'})"}
         return self.result
+
+    def interim(self) -> dict | None:
+        """`instant_step`'s interim result (the whole model's bound), once, when the worker has
+        written one and not yet ended; None otherwise."""
+        if self.result is not None or self._interim_taken:
+            return None
+        try:
+            with open(self._result + ".interim", "rb") as fh:
+                early = pickle.load(fh)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return None
+        self._interim_taken = True
+        return early
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -957,7 +983,12 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
         take_instant(out, source, "instant_ip")
 
     def collect(wait: float = 0.0) -> None:  # the worker's result, once it is there
-        if not workers or workers[0].result is not None or workers[0].poll(wait) is None:
+        if not workers or workers[0].result is not None:
+            return
+        early = workers[0].interim()  # (the whole model's bound, before the worker's later steps)
+        if early is not None:
+            raise_bound(early["bound"], source_ip + ", worker")
+        if workers[0].poll(wait) is None:
             return
         out = workers[0].result
         workers[0].close()
@@ -1191,8 +1222,13 @@ def _search(graph: Graph, budget_bytes: int, workers: list, *, swap: bool = True
         except SolverError as e:
             log.info("ilp-scalable: refinement failed (%s)", e)
 
-    if gap_open():  # the worker's last word (its time limit ends with ours)
-        collect(wait=(ilp.INSTANT_CAP_S if left() is None else max(0.0, left())) + WORKER_START_S)
+    if gap_open():  # the worker's last word (its time limit ends with ours), or its interim bound
+        until = None if left() is None else _time.perf_counter() + max(0.0, left()) + WORKER_START_S
+        while workers and workers[0].result is None and gap_open():
+            rest = None if until is None else until - _time.perf_counter()
+            collect(wait=5.0 if rest is None else max(0.0, min(5.0, rest)))
+            if rest is not None and rest <= 5.0:
+                break
     if best is None:
         raise SolverError(f"ilp-scalable found no schedule within {time_limit} s (no baseline fits and the "
                           "coarse ILP gave none); raise --time-limit or use the exact ILP")

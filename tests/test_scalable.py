@@ -677,3 +677,26 @@ def test_the_neighbourhood_search_has_its_own_size_limit(monkeypatch):
     monkeypatch.setattr(ilp_scalable, "LNS_MAX_VARS", 0)
     s = ilp_scalable.solve(g, budget, swap=False, time_limit=10, threads=1)
     assert "neighbourhoods" not in s.report and "instant_ip" not in s.report
+
+
+def test_the_worker_hands_over_the_whole_models_bound_before_its_later_steps(monkeypatch):
+    # random_layered(150) at 0.95x: the worker's whole model proves 1229 at ~90 s, then spends 80 s
+    # on rebuild-moment rounds for its own plan, while the main process found a 1229 plan at 63 s:
+    # the bound goes out at once (`interim`), and the main process takes it between its steps
+    from remat.solvers import instant_ip
+    g = unet(4)
+    budget = parse_budget("0.6x", g)
+    early: list = []
+    out = ilp_scalable.instant_step(g, budget, time_limit=30.0, threads=1, interim=early.append)
+    assert len(early) == 1 and early[0]["bound"] == pytest.approx(595.0) == out["bound"]
+    assert early[0]["schedule"] is None and early[0]["split"] is None and early[0]["coupled"] is None
+    w = ilp_scalable.InstantWorker(g, budget, 30.0, threads=1)
+    try:
+        import pickle
+        with open(w._result + ".interim", "wb") as fh:  # (as the worker writes it)
+            pickle.dump({"bound": 590.0}, fh)
+        assert w.interim() == {"bound": 590.0} and w.interim() is None  # once
+        out = w.poll(wait=60.0)
+        assert out["proven"] and out["bound"] == pytest.approx(595.0) and w.interim() is None
+    finally:
+        w.close()
