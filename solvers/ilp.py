@@ -854,11 +854,14 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
     only; `_HiGHSRun`): stop the solve when it returns True.
     """
     offset = m.prob.objective.constant or 0.0  # solvers report objectives without the constant
+
+    def seconds(value: float | None) -> float | None:  # a solver's objective value, in seconds of the schedule
+        return None if value is None else (value + offset) * m.time_unit
+
     cb = None
     if progress is not None:
         def _cb(elapsed: float, inc: float | None, bnd: float | None) -> None:
-            inc_s = (inc + offset) * m.time_unit if inc is not None else None
-            bnd_s = (bnd + offset) * m.time_unit if bnd is not None else None
+            inc_s, bnd_s = seconds(inc), seconds(bnd)
             g = (inc_s - bnd_s) / inc_s if inc_s and bnd_s is not None and inc_s > 0 else None
             progress({"elapsed": elapsed, "incumbent": inc_s, "lower_bound": bnd_s, "gap": g})
         cb = _cb
@@ -900,8 +903,7 @@ def _run(m: Model, backend: str, time_limit: float | None, gap: float, threads: 
                 "result": result, "infeasible": "infeasible" in result.lower(), "watchdog": info.get("watchdog")}
     if backend == "highs":
         try:
-            asked = None if give_up is None else (
-                lambda elapsed, bnd: give_up(elapsed, None if bnd is None else (bnd + offset) * m.time_unit))
+            asked = None if give_up is None else (lambda elapsed, bnd: give_up(elapsed, seconds(bnd)))
             solver = _HiGHSRun(msg=msg, timeLimit=time_limit, gapRel=gap if gap > 0 else None, threads=threads,
                                start=warm, give_up=asked)
         except Exception as e:  # pragma: no cover

@@ -447,6 +447,13 @@ SPLIT_ROOM = 0.3    # each with at most this share of the budget's room beyond w
 SPLIT_FIRST = 0.6   # of split_bound's time, what the first window (the largest) may take at most
 
 
+def free_room(graph: Graph, budget_bytes: int) -> list[int]:
+    """Per instant t: the bytes the budget leaves beyond the fixed bytes and what every schedule
+    holds when t first runs (`forced_loads`)."""
+    cap = budget_bytes - graph.fixed_bytes
+    return [cap - f for f in forced_loads(graph)]
+
+
 def split_candidates(graph: Graph, budget_bytes: int, most: int = SPLIT_MOST, room: float = SPLIT_ROOM) -> list[int]:
     """The backward instants where what every schedule holds leaves the least room (at most
     `room` of the budget's room, at most `most` of them), in id order ("Split at tight
@@ -454,9 +461,9 @@ def split_candidates(graph: Graph, budget_bytes: int, most: int = SPLIT_MOST, ro
     cap = budget_bytes - graph.fixed_bytes
     if cap <= 0:
         return []
-    forced = forced_loads(graph)
-    tight = sorted((cap - forced[t], t) for t, node in enumerate(graph.nodes)
-                   if node.kind == "backward" and 0 < t < graph.n - 1 and cap - forced[t] <= room * cap)
+    free = free_room(graph, budget_bytes)
+    tight = sorted((free[t], t) for t, node in enumerate(graph.nodes)
+                   if node.kind == "backward" and 0 < t < graph.n - 1 and free[t] <= room * cap)
     return sorted(t for _, t in tight[:most])
 
 
@@ -515,8 +522,8 @@ def split_bound(graph: Graph, budget_bytes: int, *, time_limit: float | None = 3
                           key=lambda x: x[0])
         return path
 
-    def best_cuts() -> tuple[float, list[tuple[int, int]]]:  # the longest path from 0 to the end
-        path = paths()
+    def best_cuts(path: dict | None = None) -> tuple[float, list[tuple[int, int]]]:  # the longest path from 0
+        path = paths() if path is None else path
         return got[head][0] + path[points[0]][0], [head] + path[points[0]][1]
 
     def unproven_on_best() -> list[tuple[int, int]]:
@@ -531,14 +538,15 @@ def split_bound(graph: Graph, budget_bytes: int, *, time_limit: float | None = 3
         # everything left in one solve each (a second solve starts from scratch: U-Net d3 at 0.3x,
         # whose (70, 120] window HiGHS needs 790 s for 0.153 and 1525 s to prove 0.1688)
         share_out(unproven_on_best(), left())
-    value, chosen = best_cuts()
+    path = paths()
+    value, chosen = best_cuts(path)
     log.info("split bound: windows %s (%.1f s)",
              [(a, b, round(got[a, b][0] / graph.total_time, 4), got[a, b][1]) for a, b in chosen],
              _time.perf_counter() - t0)
     return {"bound": graph.total_time + value, "cuts": [a for a, _ in chosen[1:]],
             "windows": [(a, b, got[a, b][0], got[a, b][1]) for a, b in chosen],
             "proven": all(got[w][1] for w in chosen),
-            "tails": {a: tail for a, (tail, _) in paths().items()}}
+            "tails": {a: tail for a, (tail, _) in path.items()}}
 
 
 COUPLE_EPS = 1e-6   # coupled_bound: converged when the bound is within this share of the master's value
@@ -682,9 +690,8 @@ def couple_split(graph: Graph, budget_bytes: int, split: dict, *, time_limit: fl
     points = [a for a in split["tails"] if 0 < a < graph.n - 1]
     if not points:
         return None
-    cap = budget_bytes - graph.fixed_bytes
-    forced = forced_loads(graph)
-    end = min(points, key=lambda t: (cap - forced[t], t))
+    free = free_room(graph, budget_bytes)
+    end = min(points, key=lambda t: (free[t], t))
     cut = couple_cut(graph, end)
     if cut is None or cut <= 0:
         return None
