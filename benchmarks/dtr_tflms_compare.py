@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from remat import simulate
-from remat.errors import InfeasibleBudgetError, SolverError
+from remat.core.errors import InfeasibleBudgetError, SolverError
 from remat.generators import linear_chain, random_layered, unet
 from remat.solvers import get
 from remat.solvers.baselines import checkpoint_all

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import remat
-from remat.errors import InfeasibleBudgetError, RematError
+from remat.core.errors import InfeasibleBudgetError, RematError
 from remat.frontends import default_loss, zoo
 from remat.frontends.measure import untracked_blocks
 from remat.frontends.run import random_batch, run_plan

@@ -35,7 +35,7 @@ SPECS = {
 
 def load(name: str):
     """The cached graph `name` (tracing it first if needed)."""
-    from remat.graph import Graph
+    from remat.core.graph import Graph
     path = OUT / f"{name}.json"
     if not path.exists():
         trace_one(name)

@@ -9,7 +9,7 @@ import time
 from remat.generators import linear_chain, random_layered, unet
 from remat.budget import parse_budget
 from remat.solvers import ilp, ilp_scalable
-from remat.errors import InfeasibleBudgetError
+from remat.core.errors import InfeasibleBudgetError
 graphs = [("chain16", linear_chain(16)), ("chain24", linear_chain(24)), ("unet3", unet(3)), ("unet4", unet(4)),
           ("random15s1", random_layered(15, seed=1)), ("random20s2", random_layered(20, seed=2)), ("random30s0", random_layered(30, seed=0))]
 for name, g in graphs:

@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from remat.errors import InvalidInputError, RematError
+from remat.core.errors import InvalidInputError, RematError
 
 log = logging.getLogger(__name__)
 

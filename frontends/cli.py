@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from remat.errors import InvalidInputError, RematError
+from remat.core.errors import InvalidInputError, RematError
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,8 @@ def run_run(args: Any) -> int:
     """``remat run``: train a few steps with a plan (given, or made here) and print predicted vs
     measured peak and time per step."""
     from remat.budget import format_bytes
-    from remat.plan import load_plan, plan as make_plan
+    from remat.core.plan import load_plan
+    from remat.planning import plan as make_plan
     from .run import run_plan
     shape = parse_shape(args.input_shape)
     if args.plan is not None:

@@ -51,8 +51,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from remat.errors import InvalidInputError
-from remat.plan import Plan
+from remat.core.errors import InvalidInputError
+from remat.core.plan import Plan
 
 from .capture import EAGER, capture
 from .measure import storage_key

@@ -63,8 +63,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from remat.errors import InvalidInputError
-from remat.graph import Graph, Node
+from remat.core.errors import InvalidInputError
+from remat.core.graph import Graph, Node
 
 from .capture import CaptureError, quiet_torch_logs
 from .measure import AllocatorWindow, LibraryWorkspaces, StorageTracker, on_autograd_thread

@@ -47,8 +47,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from remat.errors import InvalidInputError
-from remat.plan import Plan
+from remat.core.errors import InvalidInputError
+from remat.core.plan import Plan
 
 from .joint import STATIC, JointProgram, capture_joint, placeholder_values, program_from_graph
 from .executor import PlannedBase, RunBase

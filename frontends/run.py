@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from remat.errors import InvalidInputError
-from remat.plan import Plan
+from remat.core.errors import InvalidInputError
+from remat.core.plan import Plan
 
 from .executor import apply
 from .measure import Measurement, measure

@@ -32,8 +32,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from remat.errors import InvalidInputError
-from remat.graph import DEFAULT_BANDWIDTH, Graph, Node
+from remat.core.errors import InvalidInputError
+from remat.core.graph import DEFAULT_BANDWIDTH, Graph, Node
 
 from .capture import CaptureError, Captured, capture
 from .measure import LibraryWorkspaces, unique_bytes
@@ -303,7 +303,7 @@ def fixed_bytes(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = 
 
 def host_device_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, dict]:
     """Pinned host<->device copy bandwidth in bytes/s (the slower direction) and its meta.  On a
-    CPU there is no copy to measure: `remat.graph.DEFAULT_BANDWIDTH`."""
+    CPU there is no copy to measure: `remat.core.graph.DEFAULT_BANDWIDTH`."""
     if device.type != "cuda":
         return DEFAULT_BANDWIDTH, {"bandwidth_source": "default (no CUDA device)"}
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -1,27 +1,51 @@
-"""remat: the optimal memory planner for PyTorch training."""
-from .errors import InfeasibleBudgetError, InvalidInputError, RematError, SolverError
-from .graph import Graph, Node
-from .schedule import Op, Schedule, Stage
-from .simulate import SimResult, simulate
-from .budget import format_bytes, parse_budget
-from .plan import Plan, load_plan, plan  # the function `remat.plan`; the module is sys.modules["remat.plan"]
+"""remat: the optimal memory planner for PyTorch training.
+
+``remat.trace(model, inputs)`` -> a `Graph`; ``remat.plan(graph, "0.5x")`` -> a `Plan` (a
+schedule that fits the budget, its predicted peak and time, the solver's bound and gap);
+``remat.apply(model, plan)`` -> the model that trains as the plan says; ``remat.measure`` ->
+what a step really used.  The layers (docs/design.md): `remat.core` (graph, schedule,
+simulator, plan record; no torch), `remat.solvers`, `remat.frontends` (torch), and this
+package's top: budgets, planning, pictures, the command line.
+"""
+from remat.core.compat import register_moved
+from remat.core.errors import InfeasibleBudgetError, InvalidInputError, RematError, SolverError
+from remat.core.graph import Graph, Node
+from remat.core.plan import Plan, load_plan
+from remat.core.schedule import Op, Schedule, Stage
+from remat.core.simulate import SimResult, simulate
+from remat.core.units import format_bytes
+
+from .budget import parse_budget
+from .planning import SWEEP_COLUMNS, plan, sweep
 
 __version__ = "0.1.0"
 __all__ = ["Graph", "Node", "Schedule", "Stage", "Op", "simulate", "SimResult",
-           "plan", "Plan", "load_plan", "parse_budget", "format_bytes",
+           "plan", "Plan", "load_plan", "sweep", "SWEEP_COLUMNS", "parse_budget", "format_bytes",
            "RematError", "InvalidInputError", "InfeasibleBudgetError", "SolverError", "trace", "apply", "measure"]
+
+# the module paths of the layout before docs/design.md's, kept importable (with a warning)
+MOVED_MODULES = {
+    "remat.errors": "remat.core.errors",
+    "remat.graph": "remat.core.graph",
+    "remat.schedule": "remat.core.schedule",
+    "remat.simulate": "remat.core.simulate",
+    "remat.plan": ("remat.core.plan", "remat.planning"),
+}
+register_moved(MOVED_MODULES)
+
+# `remat.trace`, `remat.apply` and `remat.measure` live in remat.frontends, which imports torch:
+# loaded on first use only, so `import remat` stays torch-free
+_LAZY = {"trace": ("remat.frontends.trace", "trace"), "apply": ("remat.frontends.apply", "apply"),
+         "measure": ("remat.frontends.measure", "measure")}
 
 
 def __getattr__(name: str):
-    # `remat.trace` lives in remat.frontends, which imports torch: load it on first use only,
-    # so `import remat` stays torch-free.
-    if name == "trace":
-        from remat.frontends.trace import trace
-        return trace
-    if name == "apply":
-        from remat.frontends.executor import apply
-        return apply
-    if name == "measure":
-        from remat.frontends.measure import measure
-        return measure
+    if name in _LAZY:
+        import importlib
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    moved = MOVED_MODULES.get(f"remat.{name}")
+    if moved is not None:  # `import remat.graph; remat.graph.Graph` (old layout)
+        import sys
+        return sys.modules[f"remat.{name}"]
     raise AttributeError(f"module 'remat' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Memory budgets: parsing ``--budget`` and printing byte counts.
 
 A budget is the peak device memory of the whole training step: parameters, gradients, inputs,
-activations, and optimizer state when the graph declares it (DESIGN.md, promise 3).  It is
+activations, and optimizer state when the graph declares it (docs/design.md, "One budget").  It is
 written as
 
 * a bare integer: bytes (``"123456"``, or an ``int``);
@@ -21,10 +21,11 @@ import re
 from decimal import ROUND_FLOOR, Decimal, InvalidOperation
 from typing import TYPE_CHECKING
 
-from .errors import InvalidInputError
+from remat.core.errors import InvalidInputError
+from remat.core.units import format_bytes, format_bytes_exact  # noqa: F401  (re-exported: remat.format_bytes)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .graph import Graph
+    from remat.core.graph import Graph
 
 UNITS: dict[str, int] = {
     "b": 1,
@@ -42,7 +43,7 @@ _SIZE_RE = re.compile(rf"^{_NUMBER}\s*([a-z]*)$", re.IGNORECASE)
 def baseline_peak(graph: "Graph") -> int:
     """Simulated peak bytes (fixed included) of the checkpoint-all schedule: what ``1x`` means."""
     from remat.solvers.baselines import checkpoint_all  # no pulp: baselines is plain Python
-    from .simulate import simulate
+    from remat.core.simulate import simulate
     return simulate(graph, checkpoint_all(graph)).peak_bytes
 
 
@@ -152,23 +153,3 @@ def _as_budgets(fn, *args):
         return fn(*args)
     except InvalidInputError as e:
         raise InvalidInputError(str(e).replace("--budget:", "--budgets:", 1)) from None
-
-
-def format_bytes(n: int | float | None) -> str:
-    """Human-readable bytes: ``"10 B"`` below 1 KiB (tiny synthetic graphs), else KiB/MiB/GiB/TiB
-    with two decimals (``"1.50 GiB"``)."""
-    if n is None:
-        return "-"
-    n = int(n)
-    if abs(n) < 1024:
-        return f"{n} B"
-    for unit, size in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"  # pragma: no cover
-
-
-def format_bytes_exact(n: int) -> str:
-    """`format_bytes` plus the exact count when the short form rounds (``"1.50 GiB (1610612736 B)"``)."""
-    short = format_bytes(n)
-    return short if abs(int(n)) < 1024 else f"{short} ({int(n)} B)"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .budget import FORMS, baseline_peak, budget_list, format_bytes, format_bytes_exact
-from .errors import InvalidInputError, RematError
+from remat.core.errors import InvalidInputError, RematError
 
 log = logging.getLogger("remat")
 
@@ -61,7 +61,7 @@ def _solver_options(args: argparse.Namespace) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .plan import plan
+    from remat.planning import plan
     graph = _graph_or_model(args.graph, progress=not args.no_progress)
     base = baseline_peak(graph)
     log.info("planning %s (%d nodes) at budget %s with solver %s", args.graph, graph.n, args.budget, args.solver)
@@ -106,8 +106,8 @@ def _ilp_progress_printer():
 
 # ---- simulate ------------------------------------------------------------------------
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .plan import load_plan
-    from .simulate import simulate
+    from remat.core.plan import load_plan
+    from remat.core.simulate import simulate
     from remat.solvers.baselines import checkpoint_all
     p = load_plan(args.plan)
     if args.bandwidth is not None and not args.bandwidth > 0:
@@ -142,8 +142,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from remat import solvers as registry
-    from .graph import Graph
-    from .plan import SWEEP_COLUMNS, sweep
+    from remat.core.graph import Graph
+    from remat.planning import SWEEP_COLUMNS, sweep
     graph = Graph.load(args.graph)
     budgets = budget_list(args.budgets, graph)
     names = [s.strip() for s in args.solvers.split(",") if s.strip()]
@@ -194,7 +194,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 # ---- show ----------------------------------------------------------------------------
 def cmd_show(args: argparse.Namespace) -> int:
-    from .plan import load_plan
+    from remat.core.plan import load_plan
     p = load_plan(args.plan)
     _check_figure_path(args.output, "-o")
     from . import viz
@@ -268,7 +268,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _graph_or_model(text: str, progress: bool = True):
     """A GRAPH.json, or a MODEL (zoo name, FILE.py:FACTORY, package.module:FACTORY) traced first
     with the default options of `remat trace`."""
-    from .graph import Graph
+    from remat.core.graph import Graph
     if text.endswith(".json") or Path(text).is_file():
         return Graph.load(text)
     from remat.frontends.cli import trace_model  # imports torch

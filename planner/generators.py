@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from .graph import Graph, Node
+from remat.core.graph import Graph, Node
 
 
 def from_forward(times: Sequence[float], sizes: Sequence[int], edges: Sequence[tuple[int, int]],

@@ -51,16 +51,16 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from .budget import format_bytes
-from .errors import InvalidInputError
-from .graph import Graph
-from .schedule import Schedule
-from .simulate import simulate
+from remat.core.errors import InvalidInputError
+from remat.core.graph import Graph
+from remat.core.schedule import Schedule
+from remat.core.simulate import simulate
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
     from matplotlib.figure import SubFigure
 
-    from .plan import Plan
+    from remat.core.plan import Plan
 
 __all__ = ["CATEGORIES", "COLORS", "MemoryBreakdown", "memory_breakdown", "plot_matrices", "plot_memory",
            "plot_sweep", "plot_plan", "read_sweep_csv", "byte_unit", "time_unit"]
@@ -537,7 +537,7 @@ def read_sweep_csv(path: str | Path) -> list[dict]:
 def plot_sweep(rows: "Iterable[Mapping] | Mapping[str, Iterable[Mapping]] | str | Path", *,
                base_time: float | None = None, x: str = "ratio", title: str | None = None,
                ax: "Axes | None" = None) -> Figure:
-    """Budget against overhead from the rows of `remat.plan.sweep` (or its CSV's path).
+    """Budget against overhead from the rows of `remat.planning.sweep` (or its CSV's path).
 
     One solid curve per solver, markers filled where the solver proved optimality and hollow
     where it did not (a time limit, or a heuristic); a dashed "lower bound" curve: at each budget

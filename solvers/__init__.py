@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from remat.errors import InvalidInputError
+from remat.core.errors import InvalidInputError
 
 _REGISTRY: dict[str, Callable] = {}
 _DESCRIPTIONS: dict[str, str] = {}

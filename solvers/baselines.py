@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from remat.errors import InfeasibleBudgetError
-from remat.graph import Graph
-from remat.schedule import Schedule
-from remat.simulate import SimResult, simulate
+from remat.core.errors import InfeasibleBudgetError
+from remat.core.graph import Graph
+from remat.core.schedule import Schedule
+from remat.core.simulate import SimResult, simulate
 
 from . import register
 

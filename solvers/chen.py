@@ -25,10 +25,10 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from remat.errors import InfeasibleBudgetError
-from remat.graph import Graph
-from remat.schedule import Schedule
-from remat.simulate import SimResult
+from remat.core.errors import InfeasibleBudgetError
+from remat.core.graph import Graph
+from remat.core.schedule import Schedule
+from remat.core.simulate import SimResult
 
 from . import register
 from .baselines import checked, schedule_from_checkpoints, sqrt_checkpoints

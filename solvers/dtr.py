@@ -69,9 +69,9 @@ import random
 import sys
 from typing import Callable
 
-from remat.errors import InfeasibleBudgetError, InvalidInputError
-from remat.graph import Graph
-from remat.schedule import Op, Schedule
+from remat.core.errors import InfeasibleBudgetError, InvalidInputError
+from remat.core.graph import Graph
+from remat.core.schedule import Op, Schedule
 
 from . import register
 

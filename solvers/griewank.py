@@ -45,9 +45,9 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from remat.errors import InvalidInputError
-from remat.graph import Graph
-from remat.schedule import Schedule
+from remat.core.errors import InvalidInputError
+from remat.core.graph import Graph
+from remat.core.schedule import Schedule
 
 from . import register
 from .baselines import checked

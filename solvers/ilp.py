@@ -110,10 +110,10 @@ from typing import Callable
 
 import pulp
 
-from remat.errors import InfeasibleBudgetError, InvalidInputError, SolverError
-from remat.graph import Graph
-from remat.schedule import Schedule, Stage
-from remat.simulate import simulate
+from remat.core.errors import InfeasibleBudgetError, InvalidInputError, SolverError
+from remat.core.graph import Graph
+from remat.core.schedule import Schedule, Stage
+from remat.core.simulate import simulate
 
 from . import register, stage_order
 
@@ -440,7 +440,7 @@ def baseline_schedules(graph: Graph, budget_bytes: int, solvers: tuple = _WARM_S
     that it can seed the ILP; with `op_lists` also as the bare op list (``name + " (op list)"``),
     which the stage cast can push over the budget.  Whether a schedule fits is for the caller to
     check.  `skip_above`: solver name -> the node count above which it is too slow to run."""
-    from remat.schedule import stages_from_ops
+    from remat.core.schedule import stages_from_ops
     from . import get, names
     for nm in solvers:
         if nm not in names() or graph.n > (skip_above or {}).get(nm, graph.n):

@@ -167,10 +167,10 @@ from typing import Callable
 
 import pulp
 
-from remat.errors import InfeasibleBudgetError, SolverError
-from remat.graph import Graph, Node
-from remat.schedule import Schedule, Stage
-from remat.simulate import simulate
+from remat.core.errors import InfeasibleBudgetError, SolverError
+from remat.core.graph import Graph, Node
+from remat.core.schedule import Schedule, Stage
+from remat.core.simulate import simulate
 
 from . import griewank, ilp, instant_ip, register, stage_order
 

@@ -192,9 +192,9 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from remat.errors import SolverError
-from remat.graph import Graph
-from remat.schedule import Schedule, Stage
+from remat.core.errors import SolverError
+from remat.core.graph import Graph
+from remat.core.schedule import Schedule, Stage
 
 from . import ilp
 

@@ -16,10 +16,10 @@ import random
 import time as _time
 
 
-from remat.errors import InfeasibleBudgetError, SolverError
-from remat.graph import Graph
-from remat.schedule import Schedule
-from remat.simulate import simulate
+from remat.core.errors import InfeasibleBudgetError, SolverError
+from remat.core.graph import Graph
+from remat.core.schedule import Schedule
+from remat.core.simulate import simulate
 
 from . import register
 from .ilp import _check_budget, solve_relaxation

@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.errors import InfeasibleBudgetError, InvalidInputError
-from remat.graph import Graph
-from remat.schedule import Op, Schedule
+from remat.core.errors import InfeasibleBudgetError, InvalidInputError
+from remat.core.graph import Graph
+from remat.core.schedule import Op, Schedule
 
 from . import register
 from .baselines import checked

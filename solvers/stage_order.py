@@ -35,8 +35,8 @@ import random
 import time as _time
 from typing import Iterator, Sequence
 
-from remat.graph import Graph
-from remat.schedule import Op, Schedule, ops_from_stages
+from remat.core.graph import Graph
+from remat.core.schedule import Op, Schedule, ops_from_stages
 
 TRIES = 200  # random orders per stage that peaks above the budget in id order
 

@@ -46,10 +46,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remat.errors import InfeasibleBudgetError, InvalidInputError
-from remat.graph import Graph
-from remat.schedule import Op, Schedule
-from remat.simulate import SimResult, simulate
+from remat.core.errors import InfeasibleBudgetError, InvalidInputError
+from remat.core.graph import Graph
+from remat.core.schedule import Op, Schedule
+from remat.core.simulate import SimResult, simulate
 
 from . import register
 

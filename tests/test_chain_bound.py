@@ -10,7 +10,7 @@ import pytest
 
 from remat import simulate
 from remat.generators import from_forward, linear_chain, random_layered
-from remat.graph import Graph, Node
+from remat.core.graph import Graph, Node
 from remat.solvers import griewank, ilp
 from remat.solvers.baselines import checkpoint_all
 from remat.solvers.ilp_scalable import forced_need

@@ -138,8 +138,8 @@ def test_simulate(capsys, plan_path):
 def _swap_plan() -> remat.Plan:
     """Checkpoint-all on a 3-layer chain, with node 0 swapped out after compute 1 and back in
     before the backward pass: a bare op list with two transfers of 1 byte each."""
-    from remat.plan import predicted_from
-    from remat.schedule import Op
+    from remat.core.plan import predicted_from
+    from remat.core.schedule import Op
     g = linear_chain(3, bandwidth=1.0)
     base = remat.plan(g, budget="1x", solver="checkpoint-all")
     ops = []

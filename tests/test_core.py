@@ -7,7 +7,7 @@ import pytest
 
 from remat import Graph, InvalidInputError, Node, Op, Schedule, Stage, simulate
 from remat.generators import linear_chain, random_layered, unet
-from remat.schedule import solve_r_opt
+from remat.core.schedule import solve_r_opt
 
 
 def tiny() -> Graph:
@@ -176,7 +176,7 @@ def test_stage_matrices():
 
 @pytest.mark.parametrize("g", [linear_chain(16), unet(2), random_layered(12, seed=0)], ids=str)
 def test_stages_from_dtr_ops_keep_its_time_and_fit(g):
-    from remat.schedule import stages_from_ops
+    from remat.core.schedule import stages_from_ops
     from remat.solvers import get
     from remat.solvers.baselines import checkpoint_all
     full = simulate(g, checkpoint_all(g)).peak_bytes
@@ -197,7 +197,7 @@ def test_stages_from_dtr_ops_keep_its_time_and_fit(g):
 
 
 def test_stages_from_ops_rejects_what_it_cannot_stage():
-    from remat.schedule import stages_from_ops
+    from remat.core.schedule import stages_from_ops
     g = tiny()
     assert stages_from_ops(g, [Op("compute", 1), Op("compute", 0), Op("compute", 2)]) is None
     assert stages_from_ops(g, [Op("compute", 0), Op("swap_out", 0)]) is None

@@ -9,7 +9,7 @@ import pytest
 
 from remat import InfeasibleBudgetError, InvalidInputError, simulate
 from remat.generators import linear_chain, random_layered, unet
-from remat.graph import Graph, Node
+from remat.core.graph import Graph, Node
 from remat.solvers import _REGISTRY, dtr, get, ilp, names, tflms
 from remat.solvers.baselines import checkpoint_all
 
@@ -374,7 +374,8 @@ def test_levels():
 # ---- through the API: plan, JSON, sweep ----------------------------------------------------
 def test_plan_and_sweep_include_dtr_and_tflms(tmp_path):
     import remat
-    from remat.plan import load_plan, sweep
+    from remat.core.plan import load_plan
+    from remat.planning import sweep
     g = linear_chain(16)
     for name in ("dtr", "tflms"):
         p = remat.plan(g, "0.5x", name)

@@ -12,11 +12,11 @@ import torch.nn as nn  # noqa: E402
 
 import remat  # noqa: E402
 from remat.frontends.executor import apply  # noqa: E402
-from remat.errors import InfeasibleBudgetError, InvalidInputError  # noqa: E402
+from remat.core.errors import InfeasibleBudgetError, InvalidInputError  # noqa: E402
 from remat.frontends import default_loss, measure_peak, zoo  # noqa: E402
 from remat.frontends.measure import StorageTracker, unique_bytes  # noqa: E402
 from remat.solvers.ilp import min_feasible_budget  # noqa: E402
-from remat.schedule import Op, Schedule  # noqa: E402
+from remat.core.schedule import Op, Schedule  # noqa: E402
 
 PEAK_TOLERANCE = 0.10   # DESIGN.md, promise 1
 # On the CPU both figures count tensor storages, so they agree to a few bytes (the step's own

@@ -13,11 +13,11 @@ import torch.nn as nn  # noqa: E402
 
 import remat  # noqa: E402
 from remat.cli import main  # noqa: E402
-from remat.errors import InvalidInputError  # noqa: E402
+from remat.core.errors import InvalidInputError  # noqa: E402
 from remat.frontends import measure_peak, trace, zoo  # noqa: E402
 from remat.frontends.capture import CaptureError  # noqa: E402
 from remat.frontends.measure import plain_step_peaks, storage_key, unique_bytes  # noqa: E402
-from remat.graph import Graph  # noqa: E402
+from remat.core.graph import Graph  # noqa: E402
 from remat.solvers import get as solver  # noqa: E402
 
 F32 = 4

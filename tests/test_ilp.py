@@ -9,7 +9,7 @@ import pytest
 from exhaustive import exhaustive_optimum
 from remat import Graph, Node, simulate
 from remat.budget import parse_budget
-from remat.errors import InfeasibleBudgetError
+from remat.core.errors import InfeasibleBudgetError
 from remat.generators import linear_chain, random_layered, unet
 from remat.solvers import get, griewank, ilp, lp_round, names
 from remat.solvers.baselines import checkpoint_all

@@ -8,8 +8,8 @@ import pytest
 from remat import simulate
 from remat.budget import parse_budget
 from remat.generators import linear_chain, random_layered, unet
-from remat.errors import SolverError
-from remat.graph import Graph, Node
+from remat.core.errors import SolverError
+from remat.core.graph import Graph, Node
 from remat.solvers import get, ilp, ilp_scalable, instant_ip
 
 

@@ -16,13 +16,13 @@ import torch.nn as nn  # noqa: E402
 from test_executor import DropoutMLP, _plain_and_planned as _plain_and_planned_step  # noqa: E402
 from test_frontends import BranchOnValue  # noqa: E402
 import remat  # noqa: E402
-from remat.errors import InvalidInputError  # noqa: E402
+from remat.core.errors import InvalidInputError  # noqa: E402
 from remat.frontends import default_loss, measure_peak, zoo  # noqa: E402
 from remat.frontends.capture import CaptureError  # noqa: E402
 from remat.frontends.executor import apply  # noqa: E402
 from remat.frontends.joint_executor import PlannedJointStep  # noqa: E402
-from remat.plan import Plan  # noqa: E402
-from remat.schedule import Op, Schedule  # noqa: E402
+from remat.core.plan import Plan  # noqa: E402
+from remat.core.schedule import Op, Schedule  # noqa: E402
 from remat.solvers.ilp import min_feasible_budget  # noqa: E402
 
 PEAK_TOLERANCE = 0.10   # DESIGN.md, promise 1

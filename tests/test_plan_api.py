@@ -9,9 +9,10 @@ import pytest
 
 import remat
 from remat.budget import budget_list, format_bytes, parse_budget
-from remat.errors import InfeasibleBudgetError, InvalidInputError
+from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.generators import linear_chain
-from remat.plan import SWEEP_COLUMNS, Plan, sweep
+from remat.core.plan import Plan
+from remat.planning import SWEEP_COLUMNS, sweep
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +284,7 @@ def test_heuristic_infeasible_above_minimum_suggests_ilp(chain8_fixed):
 
 def test_explain_infeasible_falls_back_to_baselines(chain8_fixed, monkeypatch):
     import remat.solvers.ilp as ilp
-    from remat.plan import explain_infeasible
+    from remat.planning import explain_infeasible
 
     def broken(*a, **k):
         raise remat.SolverError("no incumbent")
@@ -344,7 +345,7 @@ def test_sweep_records_solver_failures(chain8, monkeypatch, caplog):
 
 def test_sweep_records_solvers_that_do_not_apply():
     from remat.generators import unet
-    from remat.plan import sweep
+    from remat.planning import sweep
     g = unet(2)
     rows = list(sweep(g, [10**6], ["griewank", "checkpoint-all"]))
     assert [r["status"] for r in rows] == ["n/a", "heuristic"]

@@ -1,10 +1,10 @@
 """The rotor-style block DP (solvers/rotor.py): cuts, validity, predicted = simulated, against revolve."""
 import pytest
 
-from remat.errors import InfeasibleBudgetError, InvalidInputError
+from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.generators import from_forward, linear_chain, random_layered, unet
-from remat.graph import Graph, Node
-from remat.simulate import simulate
+from remat.core.graph import Graph, Node
+from remat.core.simulate import simulate
 from remat.solvers import get, rotor
 from remat.solvers.griewank import chain_bound
 

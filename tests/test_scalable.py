@@ -9,9 +9,9 @@ import pytest
 
 from remat import simulate
 from remat.budget import parse_budget
-from remat.errors import InfeasibleBudgetError, InvalidInputError, SolverError
+from remat.core.errors import InfeasibleBudgetError, InvalidInputError, SolverError
 from remat.generators import linear_chain, random_layered, unet
-from remat.graph import Graph, Node
+from remat.core.graph import Graph, Node
 from remat.solvers import get, ilp, ilp_scalable, instant_ip, names
 
 

@@ -6,9 +6,9 @@ import pytest
 from remat import simulate
 from remat.budget import parse_budget
 from remat.generators import linear_chain, random_layered, unet
-from remat.graph import Graph, Node
-from remat.schedule import Schedule, Stage, stages_from_ops
-from remat.errors import InfeasibleBudgetError
+from remat.core.graph import Graph, Node
+from remat.core.schedule import Schedule, Stage, stages_from_ops
+from remat.core.errors import InfeasibleBudgetError
 from remat.solvers import get, ilp, instant_ip, stage_order
 
 

@@ -15,7 +15,7 @@ import pytest
 import remat
 from remat.cli import main
 from remat.generators import linear_chain
-from remat.schedule import Schedule, Stage
+from remat.core.schedule import Schedule, Stage
 
 viz = pytest.importorskip("remat.viz")
 
@@ -58,7 +58,7 @@ def known():
 def known_plan(known):
     g, sched = known
     res = remat.simulate(g, sched)
-    from remat.plan import predicted_from
+    from remat.core.plan import predicted_from
     return remat.Plan(g, sched, budget_bytes=res.peak_bytes + 1, solver={"name": "hand", "status": "heuristic"},
                       predicted=predicted_from(g, res))
 
@@ -221,7 +221,7 @@ def test_sweep_plot_of_several_sweeps():
 
 
 def test_sweep_csv_round_trip(tmp_path):
-    from remat.plan import SWEEP_COLUMNS
+    from remat.planning import SWEEP_COLUMNS
     path = tmp_path / "s.csv"
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(SWEEP_COLUMNS))

@@ -1,0 +1,302 @@
+"""The one model of a schedule's peak memory and time.
+
+Every solver's schedule, the ILP's objective and the executor's measurements are held to what
+`simulate` says.  It replays the op list on two clocks:
+
+* the compute stream runs ``compute`` ops back to back (node ``time`` each);
+* one transfer stream runs ``swap_out`` / ``swap_in`` in issue order, each taking
+  ``bytes / bandwidth``; a transfer starts when issued or when the stream is free, whichever
+  is later.
+
+Op semantics (docs/design.md, "Op semantics"):
+``compute i`` needs every input of i resident on the device; an input whose swap-in is still
+in flight makes the compute stream wait for it; it allocates i's output (and, while it runs,
+its workspace).  ``free i`` releases i's device bytes (it must not race an in-flight transfer of
+i: ``wait i`` first).  ``swap_out i`` copies a resident i to the host (its device copy stays
+until a ``free i``).  ``swap_in i`` copies a host copy back, allocating the device bytes when it
+is issued.  ``wait i`` blocks the compute stream until i's last transfer is done.
+
+Device bytes = fixed bytes + resident outputs (+ workspace of the running node); the peak is
+taken over every op.  Host bytes count the host copies made by swap-outs.  Total time is when
+both streams are done.  The first violated rule stops the replay and is reported.
+
+`SimState` is the same model one op at a time, for every replay that builds or inspects a
+schedule step by step (DTR's runtime, rotor's block programs, TFLMS's release points, the
+rebuild orders of `stage_order`, the memory picture of `viz`): what is resident and how it got
+there, the bytes now and at the peak, both clocks.  `simulate` is a loop over it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .graph import Graph
+from .schedule import Op, Schedule
+
+# how a resident value's device copy got there (`SimState.origin`, `SimState.bytes_by_origin`)
+ORIGINS = ("computed", "recomputed", "swapped in")
+
+
+@dataclass
+class Violation:
+    op_index: int
+    op: Op | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"op {self.op_index} ({self.op.op} {self.op.node}, stage {self.op.stage})" if self.op else "end"
+        return f"{where}: {self.message}"
+
+
+@dataclass
+class SimResult:
+    valid: bool
+    violation: Violation | None
+    peak_bytes: int            # fixed + activations + workspace, max over ops
+    activation_peak_bytes: int  # peak_bytes - fixed_bytes
+    time: float                # when both streams are done
+    compute_time: float        # sum of compute op times
+    transfer_time: float       # sum of transfer times
+    host_peak_bytes: int
+    compute_counts: list[int]
+    # per op: device bytes during the op, after it, host bytes after it, and the compute
+    # stream's start/end times of the op (transfers: their stream's start/end)
+    timeline: list[dict] = field(default_factory=list, repr=False)
+
+    def overhead(self, graph: Graph) -> float:
+        """Time relative to one pass with no recomputation and no transfers (checkpoint-all)."""
+        base = graph.total_time
+        return self.time / base if base > 0 else 1.0
+
+
+class SimState:
+    """The simulator's state between two ops of a schedule (module docstring).
+
+    Starts empty, or, for a replay of a fragment, with `resident` values on the device and
+    `live_bytes` activation bytes (default: the resident values' bytes; a fragment may count
+    only what it adds above its caller's).  `apply(op)` performs one op and returns the rule it
+    violates (a message; the state is then undefined) or None; `compute`, `free`, `swap_out`,
+    `swap_in` and `wait` are the same for a replay that knows its ops are valid (a violation
+    raises `ValueError`).  With ``check=False`` no rule is checked (a replay whose program is
+    valid by construction; it is simulated as a whole afterwards).
+
+    What it tells: ``origin`` (resident node -> one of `ORIGINS`), ``on_host``, ``live`` (activation
+    bytes resident now), ``during`` (activation bytes while the last op ran: for a compute its
+    output and workspace too), ``peak`` (the largest ``during`` so far, or the starting bytes),
+    ``bytes_by_origin``, ``host`` and ``host_peak``, ``clock`` (the compute stream), ``xclock``
+    (the transfer stream), ``last_start`` / ``last_end`` (the last op's, on its stream),
+    ``compute_time``, ``transfer_time`` and ``counts`` (node -> computes so far).
+    `compute_peak(i)` is the activation bytes a compute of i issued now would peak at.
+    """
+
+    __slots__ = ("graph", "bandwidth", "check", "origin", "on_host", "xfer_end", "swap_in_end", "clock", "xclock",
+                 "live", "during", "peak", "host", "host_peak", "compute_time", "transfer_time", "counts",
+                 "bytes_by_origin", "last_start", "last_end", "_nodes", "_preds")
+
+    def __init__(self, graph: Graph, bandwidth: float | None = None, *, resident: Iterable[int] = (),
+                 live_bytes: int | None = None, check: bool = True):
+        self.graph = graph
+        self.bandwidth = float(bandwidth if bandwidth is not None else graph.bandwidth)
+        self.check = check
+        self._nodes, self._preds = graph.nodes, graph.preds
+        self.origin: dict[int, str] = {v: "computed" for v in resident}
+        self.on_host: set[int] = set()
+        self.xfer_end: dict[int, float] = {}     # end time of the last transfer issued for a node
+        self.swap_in_end: dict[int, float] = {}  # in-flight swap-ins (until waited or consumed)
+        self.clock = 0.0
+        self.xclock = 0.0
+        self.live = sum(self._nodes[v].bytes for v in self.origin) if live_bytes is None else int(live_bytes)
+        self.during = self.live
+        self.peak = self.live
+        self.bytes_by_origin = {o: 0 for o in ORIGINS}
+        self.bytes_by_origin["computed"] = self.live
+        self.host = 0
+        self.host_peak = 0
+        self.compute_time = 0.0
+        self.transfer_time = 0.0
+        self.counts: dict[int, int] = {}
+        self.last_start = self.last_end = 0.0
+
+    # ---- what is there ---------------------------------------------------------------
+    def resident(self, i: int) -> bool:
+        return i in self.origin
+
+    @property
+    def device_bytes(self) -> int:
+        """Fixed bytes plus the activation bytes resident now."""
+        return self.graph.fixed_bytes + self.live
+
+    def compute_peak(self, i: int) -> int:
+        """Activation bytes while a compute of i issued now runs: what is resident, i's output
+        and its workspace."""
+        v = self._nodes[i]
+        return self.live + v.bytes + v.workspace_bytes
+
+    # ---- ops -------------------------------------------------------------------------
+    def apply(self, op: Op) -> str | None:
+        i = op.node
+        if not 0 <= i < self.graph.n:
+            return f"node {i} is not in the graph"
+        handler = {"compute": self._compute, "free": self._free, "swap_out": self._swap_out,
+                   "swap_in": self._swap_in, "wait": self._wait}.get(op.op)
+        if handler is None:
+            return f"unknown op {op.op!r}"
+        return handler(i)
+
+    def compute(self, i: int) -> None:
+        self._ok(self._compute(i))
+
+    def free(self, i: int) -> None:
+        self._ok(self._free(i))
+
+    def swap_out(self, i: int) -> None:
+        self._ok(self._swap_out(i))
+
+    def swap_in(self, i: int) -> None:
+        self._ok(self._swap_in(i))
+
+    def wait(self, i: int) -> None:
+        self._ok(self._wait(i))
+
+    @staticmethod
+    def _ok(message: str | None) -> None:
+        if message is not None:
+            raise ValueError(message)
+
+    def _name(self, i: int) -> str:
+        return f"{i} ({self._nodes[i].name})"
+
+    def _issue_transfer(self, i: int) -> None:
+        """Queue i's copy on the transfer stream."""
+        start = max(self.clock, self.xclock)
+        dur = self._nodes[i].bytes / self.bandwidth
+        self.xclock = start + dur
+        self.transfer_time += dur
+        self.xfer_end[i] = self.xclock
+        self.last_start, self.last_end = start, self.xclock
+
+    def _done(self, during: int) -> None:
+        self.during = during
+        if during > self.peak:
+            self.peak = during
+        if self.host > self.host_peak:
+            self.host_peak = self.host
+
+    def _compute(self, i: int) -> str | None:
+        preds = self._preds[i]
+        if self.check:
+            for u in preds:
+                if u not in self.origin:
+                    where = "it is on the host (swap it in first)" if u in self.on_host else "it is not resident"
+                    return f"input {self._name(u)} of node {self._name(i)} is needed but {where}"
+            if i in self.origin:
+                return f"node {self._name(i)} is computed while its output is already resident"
+        if self.swap_in_end:
+            for u in preds:
+                if u in self.swap_in_end:
+                    self.clock = max(self.clock, self.swap_in_end.pop(u))
+        v = self._nodes[i]
+        start = self.clock
+        during = self.live + v.bytes + v.workspace_bytes
+        count = self.counts.get(i, 0)
+        how = "recomputed" if count else "computed"
+        self.live += v.bytes
+        self.bytes_by_origin[how] += v.bytes
+        self.origin[i] = how
+        self.clock += v.time
+        self.compute_time += v.time
+        self.counts[i] = count + 1
+        self.last_start, self.last_end = start, self.clock
+        self._done(during)
+        return None
+
+    def _free(self, i: int) -> str | None:
+        if self.check:
+            if i not in self.origin:
+                return f"free of node {self._name(i)}, which is not resident"
+            if self.xfer_end.get(i, 0.0) > self.clock:
+                return f"free of node {self._name(i)} while its transfer is in flight (insert 'wait {i}' first)"
+        during = self.live
+        nbytes = self._nodes[i].bytes
+        self.live -= nbytes
+        how = self.origin.pop(i, "computed")
+        self.bytes_by_origin[how] -= nbytes
+        self.swap_in_end.pop(i, None)
+        self.last_start = self.last_end = self.clock
+        self._done(during)
+        return None
+
+    def _swap_out(self, i: int) -> str | None:
+        if self.check:
+            if i not in self.origin:
+                return f"swap_out of node {self._name(i)}, which is not resident"
+            if i in self.swap_in_end and self.swap_in_end[i] > self.clock:
+                return f"swap_out of node {self._name(i)} while its swap_in is in flight"
+        self._issue_transfer(i)
+        if i not in self.on_host:
+            self.on_host.add(i)
+            self.host += self._nodes[i].bytes
+        self._done(self.live)
+        return None
+
+    def _swap_in(self, i: int) -> str | None:
+        if self.check:
+            if i not in self.on_host:
+                return f"swap_in of node {self._name(i)}, which has no host copy (swap it out first)"
+            if i in self.origin:
+                return f"swap_in of node {self._name(i)}, which is already resident"
+        self._issue_transfer(i)
+        self.swap_in_end[i] = self.xclock
+        nbytes = self._nodes[i].bytes
+        self.live += nbytes
+        self.bytes_by_origin["swapped in"] += nbytes
+        self.origin[i] = "swapped in"
+        self._done(self.live)
+        return None
+
+    def _wait(self, i: int) -> str | None:
+        if self.check and i not in self.xfer_end:
+            return f"wait on node {self._name(i)}, which has no transfer"
+        self.last_start = self.clock
+        if i in self.xfer_end:
+            self.clock = max(self.clock, self.xfer_end[i])
+        self.swap_in_end.pop(i, None)
+        self.last_end = self.clock
+        self._done(self.live)
+        return None
+
+
+def simulate(graph: Graph, schedule: Schedule | list[Op], bandwidth: float | None = None,
+             timeline: bool = False) -> SimResult:
+    """Replay `schedule` (module docstring); with `timeline`, one row per op (device bytes during
+    and after it, host bytes after it, its start and end on its stream)."""
+    ops = schedule.ops if isinstance(schedule, Schedule) else schedule
+    state = SimState(graph, bandwidth)
+    fixed = graph.fixed_bytes
+    tl: list[dict] = []
+    violation: Violation | None = None
+    for idx, op in enumerate(ops):
+        message = state.apply(op)
+        if message is not None:
+            violation = Violation(idx, op, message)
+            break
+        if timeline:
+            tl.append({"op": op.op, "node": op.node, "stage": op.stage, "device_bytes": state.during + fixed,
+                       "after_bytes": state.live + fixed, "host_bytes": state.host,
+                       "start": state.last_start, "end": state.last_end})
+    counts = [state.counts.get(i, 0) for i in range(graph.n)]
+    if violation is None:
+        never = [i for i in range(graph.n) if counts[i] == 0]
+        if never:
+            kind = graph.nodes[never[0]].kind
+            what = "a gradient" if kind == "backward" else f"a {kind} node"
+            violation = Violation(len(ops), None, f"node {never[0]} ({graph.nodes[never[0]].name}) ({what}) is never "
+                                  "computed" + (f" (and {len(never) - 1} more)" if len(never) > 1 else ""))
+    return SimResult(valid=violation is None, violation=violation,
+                     peak_bytes=state.peak + fixed, activation_peak_bytes=state.peak,
+                     time=max(state.clock, state.xclock), compute_time=state.compute_time,
+                     transfer_time=state.transfer_time, host_peak_bytes=state.host_peak,
+                     compute_counts=counts, timeline=tl)
+
+
+__all__ = ["simulate", "SimResult", "SimState", "Violation", "ORIGINS"]
