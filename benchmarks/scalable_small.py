@@ -8,7 +8,8 @@ about a third of the nodes (20 s), recompute only, CBC with one thread.  Prints 
 import time
 from remat.generators import linear_chain, random_layered, unet
 from remat.budget import parse_budget
-from remat.solvers import ilp, ilp_scalable
+from remat.solvers import ilp
+from remat.solvers.ilp import scalable
 from remat.core.errors import InfeasibleBudgetError
 graphs = [("chain16", linear_chain(16)), ("chain24", linear_chain(24)), ("unet3", unet(3)), ("unet4", unet(4)),
           ("random15s1", random_layered(15, seed=1)), ("random20s2", random_layered(20, seed=2)), ("random30s0", random_layered(30, seed=0))]
@@ -23,7 +24,7 @@ for name, g in graphs:
         te = time.time() - t
         t = time.time()
         try:
-            s = ilp_scalable.solve(g, B, swap=False, time_limit=20, threads=1, coarse_nodes=max(9, g.n // 3))
+            s = scalable.solve(g, B, swap=False, time_limit=20, threads=1, coarse_nodes=max(9, g.n // 3))
         except Exception as ex:
             print(name, g.n, r, "exact", e.report["status"], "scalable error", type(ex).__name__, ex, flush=True); continue
         ts = time.time() - t

@@ -1,4 +1,4 @@
-"""The instant IP's split bound (solvers/instant_ip.py, "Split at tight instants") given all the
+"""The instant IP's split bound (solvers/ilp/windows.py, "Split at tight instants") given all the
 time it needs: a certificate of how far a plan is from optimal where the scalable mode's two
 minutes do not reach one.
 
@@ -7,10 +7,10 @@ minutes do not reach one.
 Prints each window of the chosen cuts with its bound (a share of the no-recompute step) and
 whether it was proven, the bound on the whole step, and, given a plan's overhead (`--plan`,
 time / no-recompute time), the gap (plan - bound) / plan.  Without `--cuts`, the graph's split
-candidates (`instant_ip.split_candidates`).  One thread, HiGHS when installed.
+candidates (`windows.split_candidates`).  One thread, HiGHS when installed.
 
 `--couple C` replaces the first window (0, b] by the coupled bound of (0, C] and (C, b]
-(`instant_ip.coupled_bound`, "Coupled windows"; needs highspy) where that is higher, for up to
+(`windows.coupled_bound`, "Coupled windows"; needs highspy) where that is higher, for up to
 `--couple-time` seconds beside the split's `--time-limit`:
 
     python benchmarks/split_proof.py --case resnet50_d2@0.3x --cuts 202,208 --couple 176 --time-limit 300 \
@@ -27,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from remat.budget import parse_budget  # noqa: E402
-from remat.solvers import ilp, instant_ip  # noqa: E402
+from remat.solvers import ilp  # noqa: E402
+from remat.solvers.ilp import windows  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     cuts = [int(c) for c in args.cuts.split(",")] if args.cuts else None
     backend = "highs" if ilp.highs_available() else "cbc"
     t0 = time.perf_counter()
-    out = instant_ip.split_bound(g, budget, time_limit=args.time_limit, threads=1, backend=backend, cuts=cuts)
+    out = windows.split_bound(g, budget, time_limit=args.time_limit, threads=1, backend=backend, cuts=cuts)
     wall = time.perf_counter() - t0
     if out is None:
         print(f"{args.case}: no split (no tight backward instants, or cuts that leave no schedule)")
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     if args.couple is not None:
         _, first, value, _ = out["windows"][0]
         t1 = time.perf_counter()
-        co = instant_ip.coupled_bound(g, budget, args.couple, first, time_limit=args.couple_time, backend=backend,
+        co = windows.coupled_bound(g, budget, args.couple, first, time_limit=args.couple_time, backend=backend,
                                       threads=1)
         if co is None:
             print(f"no coupled bound at {args.couple} (needs highspy, and 0 < {args.couple} < {first})")

@@ -1,46 +1,50 @@
 """Solvers: one module per strategy, one interface.
 
-Every strategy is ``solve(graph, budget_bytes, **options) -> Schedule``, registered by name.
-``budget_bytes`` is the peak device memory of the whole step (the graph's fixed bytes
-included).  A solver that cannot fit the budget raises `InfeasibleBudgetError`; it never
-returns a schedule over budget.  Solvers return schedules; only `remat.simulate` computes their
-memory and time (the schedule's ``report`` says how the solver got there).
+Every strategy is ``solve(graph, budget_bytes, **options) -> Schedule``, registered by name
+(`registry`).  ``budget_bytes`` is the peak device memory of the whole step (the graph's fixed
+bytes included).  A solver that cannot fit the budget raises `InfeasibleBudgetError`; it never
+returns a schedule over budget.  Solvers return schedules; only `remat.core.simulate` computes
+their memory and time (the schedule's ``report`` says how the solver got there).
+
+`get`, `names` and `describe` import every solver module first (`load_all`), so each one has
+registered; `register` is `registry.register`.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from remat.core.errors import InvalidInputError
+from remat.core.compat import register_moved
 
-_REGISTRY: dict[str, Callable] = {}
-_DESCRIPTIONS: dict[str, str] = {}
+from . import registry
+from .registry import register
+
+# module paths of the layout before docs/design.md's, kept importable (with a warning)
+register_moved({
+    "remat.solvers.ilp_scalable": ("remat.solvers.ilp.scalable", "remat.solvers.ilp.worker",
+                                   "remat.solvers.ilp.coarsen", "remat.solvers.ilp.bounds", "remat.core.analysis"),
+    "remat.solvers.instant_ip": ("remat.solvers.ilp.instant", "remat.solvers.ilp.paths",
+                                 "remat.solvers.ilp.windows", "remat.core.analysis"),
+})
 
 
-def register(name: str, description: str = "") -> Callable[[Callable], Callable]:
-    def deco(fn: Callable) -> Callable:
-        _REGISTRY[name] = fn
-        _DESCRIPTIONS[name] = description or (fn.__doc__ or "").strip().splitlines()[0]
-        return fn
-    return deco
+def load_all() -> None:
+    """Import every solver module (importing one registers its strategies)."""
+    from . import baselines, chen, dtr, griewank, ilp, lp_round, rotor, tflms  # noqa: F401
 
 
 def get(name: str) -> Callable:
-    _load_all()
-    if name not in _REGISTRY:
-        raise InvalidInputError(f"--solver: unknown solver {name!r}; available: {', '.join(names())}")
-    return _REGISTRY[name]
+    load_all()
+    return registry.get(name)
 
 
 def names() -> list[str]:
-    _load_all()
-    return sorted(_REGISTRY)
+    load_all()
+    return registry.names()
 
 
 def describe() -> dict[str, str]:
-    _load_all()
-    return {k: _DESCRIPTIONS[k] for k in sorted(_REGISTRY)}
+    load_all()
+    return registry.describe()
 
 
-def _load_all() -> None:
-    # importing the modules registers them
-    from . import baselines, chen, dtr, griewank, ilp, ilp_scalable, lp_round, rotor, tflms  # noqa: F401
+__all__ = ["register", "get", "names", "describe", "load_all", "registry"]

@@ -27,7 +27,7 @@ from remat.core.graph import Graph
 from remat.core.schedule import Schedule
 from remat.core.simulate import SimResult, simulate
 
-from . import register
+from .registry import register
 
 
 def schedule_from_checkpoints(graph: Graph, checkpoints: Iterable[int]) -> Schedule:

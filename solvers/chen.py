@@ -30,7 +30,7 @@ from remat.core.graph import Graph
 from remat.core.schedule import Schedule
 from remat.core.simulate import SimResult
 
-from . import register
+from .registry import register
 from .baselines import checked, schedule_from_checkpoints, sqrt_checkpoints
 
 MAX_SEGMENT_BUDGETS = 64

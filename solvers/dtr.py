@@ -73,7 +73,7 @@ from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.core.graph import Graph
 from remat.core.schedule import Op, Schedule
 
-from . import register
+from .registry import register
 
 HEURISTICS = ("dtr", "dtr-eq", "dtr-local", "dtr-lru", "dtr-size", "dtr-msps", "lookahead")
 LOOKAHEAD_GRID = tuple((num, a) for num in ("ancestors", "local") for a in (0.25, 0.5, 0.75, 1.0, 1.5))

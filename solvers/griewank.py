@@ -45,11 +45,12 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from remat.core.analysis import chain_layers, instant_loads
 from remat.core.errors import InvalidInputError
 from remat.core.graph import Graph
 from remat.core.schedule import Schedule
 
-from . import register
+from .registry import register
 from .baselines import checked
 from .chen import pick
 
@@ -129,21 +130,6 @@ def snapshot_sets(l: int, s: int) -> list[frozenset[int]]:
 
 
 # ---- mapping onto a chain training graph ------------------------------------------------------
-def chain_layers(graph: Graph) -> list[int]:
-    """The forward nodes in chain order, or InvalidInputError if they are not a path."""
-    fwd = graph.forward_ids()
-    fset = set(fwd)
-    for k, v in enumerate(fwd):
-        fpreds = sorted(u for u in graph.preds[v] if u in fset)
-        if fpreds != ([fwd[k - 1]] if k else []):
-            raise InvalidInputError(
-                f"griewank needs a chain: forward node {v} ({graph.nodes[v].name!r}) has forward inputs "
-                f"{fpreds}, expected {[fwd[k - 1]] if k else []}; use chen-greedy or ilp for this graph")
-    if not fwd:
-        raise InvalidInputError("griewank needs a chain of forward nodes; this graph has none")
-    return fwd
-
-
 def griewank_schedule(graph: Graph, s: int, fwd: list[int] | None = None) -> Schedule:
     """The revolve schedule with s slots (module docstring) as stage keep sets + minimal R."""
     fwd = fwd if fwd is not None else chain_layers(graph)
@@ -189,14 +175,14 @@ def chain_bound(graph: Graph, budget_bytes: int) -> float | None:
     Griewank's theorem (Griewank 1992; Griewank & Walther, TOMS Alg. 799, 2000): reversing l steps
     with at most s snapshots at any time (x_0 in one of them) takes at least t(l, s) advances.
     Every remat schedule maps onto such a reversal, through the instant relaxation
-    (`instant_ip`, whose solutions cost no more than the schedules they come from):
+    (`remat.solvers.ilp.instant`, whose solutions cost no more than the schedules they come from):
 
     * Step j's reversal is the instant t_j = the first backward node that reads x_{j-1} (layer
       j's input), j = 2..l; they must come in the order t_l < ... < t_2, after every forward node.
     * At t_j the schedule holds x_{j-1} (it is an input), which is revolve's cursor.  The values
       useful later are x_1..x_{j-2} (later steps need lower cursors, and advances only go up):
       they are the snapshots, with x_0.  They fit in what t_j leaves free: the budget less the
-      fixed bytes, `instant_ip.instant_loads` at t_j and t_j's forward inputs at positions
+      fixed bytes, `remat.core.analysis.instant_loads` at t_j and t_j's forward inputs at positions
       >= j-1, so at most k_j = min(room_j // m_min, j-2) of them, m_min the smallest forward
       output.  Hence s = 1 + max_j k_j.
     * Between t_{j+1} and t_j every newly held value x_p was computed from some value held at
@@ -211,7 +197,6 @@ def chain_bound(graph: Graph, budget_bytes: int) -> float | None:
     heterogeneous chains it is weaker.  Recompute only (a host copy is a snapshot that costs no
     device memory), backward nodes run once.
     """
-    from .instant_ip import instant_loads
     try:
         fwd = chain_layers(graph)
     except InvalidInputError:

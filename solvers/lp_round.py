@@ -1,6 +1,6 @@
 """LP relaxation (a lower bound) and Checkmate's two-phase rounding (REFERENCES §1.8).
 
-`lower_bound` solves the LP relaxation of solvers/ilp.py's model at the given budget: no
+`lower_bound` solves the LP relaxation of the ILP's model (`ilp.checkmate`) at the given budget: no
 schedule that fits can be faster, so it is the bound every plan reports against.
 
 `solve` is Checkmate's approximation: solve the relaxation at a reduced budget (0.9 B: slack for
@@ -16,18 +16,19 @@ import random
 import time as _time
 
 
+from remat.core.analysis import check_budget
 from remat.core.errors import InfeasibleBudgetError, SolverError
 from remat.core.graph import Graph
 from remat.core.schedule import Schedule
 from remat.core.simulate import simulate
 
-from . import register
-from .ilp import _check_budget, solve_relaxation
+from .registry import register
+from .ilp.checkmate import solve_relaxation
 
 
 def lower_bound(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth: float | None = None) -> float | None:
     """Time of the LP relaxation at `budget_bytes` (seconds), or None if even the LP is infeasible."""
-    _check_budget(graph, budget_bytes)
+    check_budget(graph, budget_bytes)
     return solve_relaxation(graph, budget_bytes, swap=swap, bandwidth=bandwidth)[1]
 
 
@@ -35,7 +36,7 @@ def lower_bound(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
 def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth: float | None = None,
           slack: float = 0.9, draws: int = 50, seed: int = 0, **_: object) -> Schedule:
     t0 = _time.perf_counter()
-    _check_budget(graph, budget_bytes)
+    check_budget(graph, budget_bytes)
     bound = lower_bound(graph, budget_bytes, swap=swap, bandwidth=bandwidth)
     if bound is None:
         raise InfeasibleBudgetError(

@@ -51,11 +51,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from remat.core.analysis import checkmate_layout, cut_points
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.core.graph import Graph
 from remat.core.schedule import Op, Schedule
 
-from . import register
+from .registry import register
 from .baselines import checked
 
 log = logging.getLogger(__name__)
@@ -80,37 +81,7 @@ class Chain:
         return len(self.out) - 1
 
 
-def cut_points(graph: Graph, m: int) -> list[int]:
-    """Forward positions p (0 <= p < m - 1) at which the graph splits (module docstring)."""
-    blocked = [0] * (m + 1)
-
-    def block(lo: int, hi: int) -> None:  # positions lo..hi-1
-        if lo < hi:
-            blocked[max(0, lo)] += 1
-            blocked[min(m, hi)] -= 1
-
-    for v in range(graph.n):
-        for u in set(graph.preds[v]):
-            if u >= m:
-                continue  # gradients and the loss: the crossing sets take care of them
-            if v <= m:
-                block(u + 1, v)          # a forward edge over p
-            else:
-                q = 2 * m - v            # v is the backward of forward q
-                if u < q:
-                    block(u + 1, q)      # right-side backward reading left of p
-                else:
-                    block(q, u)          # left-side backward reading right of p
-    out, run = [], 0
-    for p in range(m - 1):
-        run += blocked[p]
-        if run == 0:
-            out.append(p)
-    return out
-
-
 def chain_of_blocks(graph: Graph, max_blocks: int = MAX_BLOCKS) -> Chain:
-    from .ilp_scalable import checkmate_layout
     m = checkmate_layout(graph)
     if m is None or m == 0:
         raise InvalidInputError("rotor: the graph must have Checkmate's layout (forward nodes, the loss, then the "

@@ -7,7 +7,7 @@ and the concatenation `ups.3:cat` of the two, and `downs.0.conv.conv1` for a lat
 order `ups.3.up`'s input and `downs.0.conv.conv1` are resident while the concatenation is
 rebuilt (47 MiB over the budget), while rebuilding `ups.3.up` first and `downs.0.conv.conv1`
 after the concatenation fits.  Models that check memory only at instants
-(the instant IP: `instant_ip`) give such plans, and the simulator rejected them as over budget.
+(the instant IP: `ilp.instant`) give such plans, and the simulator rejected them as over budget.
 
 `lower_peak` keeps every stage's computes (so every node runs as often, in the same stage, and
 the first computes stay in id order: the time is unchanged) and every stage's keeps, and

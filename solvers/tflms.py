@@ -36,7 +36,7 @@ simulated and fits, and when a search's first probe fails its range is scanned. 
 fitting settings the searches simulated, the fastest is returned.
 
 Timing caveat: a transfer longer than one op overlaps several ops, and a swap-in consumed
-mid-stage overlaps the computes before its consumer; the ILP's stage model (solvers/ilp.py:
+mid-stage overlaps the computes before its consumer; the ILP's stage model (`ilp.checkmate`:
 transfers within one stage, a same-stage swap-in waited for at the stage start) allows neither,
 so at slow links TFLMS can be slightly faster than the ILP's "optimal" swap schedule.  Both are
 valid in the simulator.
@@ -51,7 +51,7 @@ from remat.core.graph import Graph
 from remat.core.schedule import Op, Schedule
 from remat.core.simulate import SimResult, simulate
 
-from . import register
+from .registry import register
 
 DEFAULT_AHEAD = 1
 

@@ -9,7 +9,8 @@ import pytest
 
 from remat import InfeasibleBudgetError, InvalidInputError, simulate
 from remat.generators import linear_chain, random_layered, unet
-from remat.solvers import _REGISTRY, baselines, chen, griewank
+from remat.solvers import baselines, chen, griewank
+from remat.solvers.registry import _REGISTRY
 
 CHEN = {
     "chen-sqrtn": chen.chen_sqrtn,

@@ -13,7 +13,7 @@ from remat.generators import from_forward, linear_chain, random_layered
 from remat.core.graph import Graph, Node
 from remat.solvers import griewank, ilp
 from remat.solvers.baselines import checkpoint_all
-from remat.solvers.ilp_scalable import forced_need
+from remat.core.analysis import forced_need
 
 from exhaustive import exhaustive_optimum
 

@@ -10,7 +10,9 @@ import pytest
 from remat import InfeasibleBudgetError, InvalidInputError, simulate
 from remat.generators import linear_chain, random_layered, unet
 from remat.core.graph import Graph, Node
-from remat.solvers import _REGISTRY, dtr, get, ilp, names, tflms
+from remat.core import analysis
+from remat.solvers import dtr, get, ilp, names, tflms
+from remat.solvers.registry import _REGISTRY
 from remat.solvers.baselines import checkpoint_all
 
 DTR_NAMES = ["dtr", "dtr-eq", "dtr-local", "dtr-lru", "dtr-size", "dtr-msps", "lookahead"]
@@ -297,7 +299,7 @@ def test_tflms_reaches_the_single_node_floor_at_generous_bandwidth():
     # on the chain the floor (one backward node with its inputs: 4 bytes) is the same for
     # recomputation, but recomputation pays for it in time; swapping at 100x bandwidth does not
     g = linear_chain(32, bandwidth=100)
-    assert ilp._node_need(g) == 4
+    assert analysis.node_need(g) == 4
     s = tflms.solve(g, 4)
     res = simulate(g, s)
     assert res.valid and res.peak_bytes == 4

@@ -11,7 +11,9 @@ from remat import Graph, Node, simulate
 from remat.budget import parse_budget
 from remat.core.errors import InfeasibleBudgetError
 from remat.generators import linear_chain, random_layered, unet
+from remat.core import analysis  # noqa: F401
 from remat.solvers import get, griewank, ilp, lp_round, names
+from remat.solvers.ilp import bounds, exact, mip, warm
 from remat.solvers.baselines import checkpoint_all
 
 
@@ -320,7 +322,7 @@ def test_garbage_solver_bound_is_replaced_by_the_lp_bound(monkeypatch, no_chain_
     # CBC interrupted in its root cut loop printed "Lower bound: 2.08e13" against an incumbent of
     # 154; such a bound must never reach the report (it would read as a proof)
     g = linear_chain(12)
-    monkeypatch.setattr(ilp, "_run", lambda *a, **k: {
+    monkeypatch.setattr(mip, "run", lambda *a, **k: {
         "sol_status": 0, "objective": None, "bound": 2.0e13, "proven": False,
         "result": "Stopped on time limit", "infeasible": False})
     s = ilp.solve(g, 6, swap=False, time_limit=30)
@@ -362,7 +364,7 @@ def test_shift_search_fits_revolve_with_one_more_snapshot():
     s = ilp.shift_search(g, 9, seed, time_limit=30)
     r = simulate(g, s)
     assert r.valid and r.peak_bytes <= 9 and r.time == 126.0
-    allowed = {(t + d, i) for t, st in enumerate(seed.stages) for i in st.compute for d in ilp.SHIFTS}
+    allowed = {(t + d, i) for t, st in enumerate(seed.stages) for i in st.compute for d in warm.SHIFTS}
     assert all((t, i) in allowed for t, st in enumerate(s.stages) for i in st.compute)
     # the whole revolve sweep fits only 5 snapshots at 9 units: 8 units of time more
     assert simulate(g, get("griewank")(g, 9)).time == 134.0
@@ -403,11 +405,10 @@ def test_chain32_at_9_units_reaches_revolve_count_quickly():
 def test_time_limited_exact_solve_reports_at_least_the_window_bound():
     # CBC stopped early (or misled by its preprocessing) leaves a weak bound; the window IP's is
     # integral and costs a tenth of a second, and the report takes the larger
-    from remat.solvers import ilp_scalable
     g = random_layered(40, seed=4)
     budget = parse_budget("0.8x", g)
     s = ilp.solve(g, budget, swap=False, time_limit=3, threads=1, mode="exact")
-    wb = ilp_scalable.window_bound(g, budget)
+    wb = bounds.window_bound(g, budget)
     rep = s.report
     assert g.total_time < wb <= rep["lower_bound"] * (1 + 1e-9) <= rep["objective"] * (1 + 1e-9)
     assert rep["status"] == ("optimal" if rep["lower_bound"] >= rep["objective"] * (1 - 1e-9) else "feasible")
@@ -425,9 +426,9 @@ def test_watchdog_stops_a_cbc_that_overruns_its_time_limit(tmp_path, monkeypatch
     fake.write_text(f"#!{sys.executable}\nimport signal, time\nsignal.signal(signal.SIGINT, signal.{how})\n"
                     "time.sleep(600)\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(ilp, "_cbc_binary", lambda: str(fake))
-    monkeypatch.setattr(ilp, "WATCHDOG_GRACE", (1.0, 0.5))
-    monkeypatch.setattr(ilp, "WATCHDOG_KILL_S", 1.0)
+    monkeypatch.setattr(mip, "cbc_binary", lambda: str(fake))
+    monkeypatch.setattr(mip, "WATCHDOG_GRACE", (1.0, 0.5))
+    monkeypatch.setattr(mip, "WATCHDOG_KILL_S", 1.0)
     g = linear_chain(8)
     import time as _t
     t0 = _t.perf_counter()
@@ -451,9 +452,9 @@ def test_a_stopped_cbc_whose_bound_meets_its_incumbent_gives_no_bound(monkeypatc
     prob += 29 * x
     x.varValue = 1
     prob.sol_status = 2
-    monkeypatch.setattr(ilp, "_run_cbc", lambda *a, **k: {"result": "Stopped on time limit",
+    monkeypatch.setattr(mip, "run_cbc", lambda *a, **k: {"result": "Stopped on time limit",
                                                           "objective": 29.0, "lower_bound": printed})
-    out = ilp._run(SimpleNamespace(prob=prob, time_unit=1.0), "cbc", 1.0, 0.0, 1, True, False)
+    out = mip.run(SimpleNamespace(prob=prob, time_unit=1.0), "cbc", 1.0, 0.0, 1, True, False)
     assert out["objective"] == 29.0 and not out["proven"] and out["bound"] == kept
 
 
@@ -480,12 +481,12 @@ def test_values_that_do_not_fit_are_an_error_only_when_proven_optimal(monkeypatc
     budget = parse_budget("0.7x", g)
     too_big = checkpoint_all(g, 10**15)
     assert simulate(g, too_big).peak_bytes > budget
-    monkeypatch.setattr(ilp, "_run", lambda *a, **k: {
+    monkeypatch.setattr(mip, "run", lambda *a, **k: {
         "sol_status": 1 if proven else 2, "objective": 1.0, "bound": None, "proven": proven,
         "result": "Optimal solution found" if proven else "Stopped on time", "infeasible": False,
         "watchdog": None})
-    monkeypatch.setattr(ilp, "_integral", lambda m: True)
-    monkeypatch.setattr(ilp, "schedule_from_model", lambda graph, m: too_big)
+    monkeypatch.setattr(exact, "integral", lambda m: True)
+    monkeypatch.setattr(exact, "schedule_from_model", lambda graph, m: too_big)
     with caplog.at_level(logging.INFO, logger="remat"):
         s = ilp.solve(g, budget, mode="exact", swap=False, time_limit=5, use_instant_ip=False)
     assert simulate(g, s).peak_bytes <= budget and "returned the warm start" in s.report["solver_result"]

@@ -1,4 +1,4 @@
-"""The instant IP (solvers/instant_ip.py): a relaxation of the ILP that sees recomputation
+"""The instant IP (solvers/ilp/instant.py): a relaxation of the ILP that sees recomputation
 cascades; its bound against the proven optimum, its plans in the simulator, and the claim of its
 proof that every schedule maps onto a solution."""
 from __future__ import annotations
@@ -10,7 +10,10 @@ from remat.budget import parse_budget
 from remat.generators import linear_chain, random_layered, unet
 from remat.core.errors import SolverError
 from remat.core.graph import Graph, Node
-from remat.solvers import get, ilp, ilp_scalable, instant_ip
+from remat.core import analysis
+from remat.solvers import get, ilp
+from remat.solvers.ilp import bounds, instant, mip, paths, scalable, windows
+from remat.solvers.ilp import windows as ilp_windows  # (the name `windows` is a test's local too)
 
 
 def odd_graph(seed: int) -> Graph:
@@ -26,9 +29,9 @@ def test_chain_optimum_is_proven_where_the_window_ip_stops_short(layers, budget,
     # the window IP pays a dropped value once; rebuilding it needs its predecessor, which the
     # instant IP sees: on unit chains its optimum is revolve's count, the exact ILP's optimum
     g = linear_chain(layers)
-    out = instant_ip.solve(g, budget, time_limit=30, threads=1)
+    out = instant.solve(g, budget, time_limit=30, threads=1)
     assert out["proven"] and out["bound"] == pytest.approx(optimum)
-    assert ilp_scalable.window_bound(g, budget) == pytest.approx(window)
+    assert bounds.window_bound(g, budget) == pytest.approx(window)
     exact = ilp.solve(g, budget, swap=False, time_limit=30, threads=1, mode="exact")
     assert exact.report["status"] == "optimal" and exact.report["objective"] == pytest.approx(optimum)
     res = simulate(g, out["schedule"])  # here its optimal plan also fits inside every stage
@@ -41,11 +44,11 @@ def test_chain_optimum_is_proven_where_the_window_ip_stops_short(layers, budget,
                          ids=["unet3", "random15", "random12", "odd0", "odd1"])
 def test_bound_lies_between_the_window_ip_and_the_optimum_and_the_plan_costs_the_objective(g, ratio):
     budget = parse_budget(ratio, g)
-    out = instant_ip.solve(g, budget, time_limit=30, threads=1)
+    out = instant.solve(g, budget, time_limit=30, threads=1)
     exact = ilp.solve(g, budget, swap=False, time_limit=30, threads=1, mode="exact")
     assert exact.report["status"] == "optimal" and out["proven"]
     opt = exact.report["objective"]
-    wb = ilp_scalable.window_bound(g, budget)
+    wb = bounds.window_bound(g, budget)
     assert wb * (1 - 1e-9) <= out["bound"] <= opt * (1 + 1e-9)
     # the plan it reads back runs every computation the model counts, and nothing else; it may
     # peak above the budget inside a stage (random15 at 0.8x does), which the model ignores
@@ -61,8 +64,8 @@ def test_rebuild_moments_raise_the_bound_and_stay_below_the_optimum(g, ratio, op
     # the optima were proven by the exact ILP alone (use_instant_ip=False: random20s4 in 16 s;
     # random20s2 is session 5's case where the plain model stops 1.3 % short)
     budget = parse_budget(ratio, g)
-    base = instant_ip.solve(g, budget, time_limit=30, threads=1)
-    moments = instant_ip.solve(g, budget, time_limit=60, threads=1, in_stage=True)
+    base = instant.solve(g, budget, time_limit=30, threads=1)
+    moments = instant.solve(g, budget, time_limit=60, threads=1, in_stage=True)
     assert base["proven"] and moments["proven"]
     assert base["bound"] == pytest.approx(plain)
     assert plain <= moments["bound"] <= optimum * (1 + 1e-9)
@@ -90,7 +93,7 @@ def test_cbc_stops_at_an_incumbent_that_meets_a_known_bound():
     assert best.report["status"] == "optimal" and best.report["objective"] == 126.0
     m = ilp.build_model(g, 9, swap=False)
     ilp.set_warm_start(m, best)
-    out = ilp._run(m, "cbc", 120, 0.0, 1, True, False, stop_at=126.0)
+    out = mip.run(m, "cbc", 120, 0.0, 1, True, False, stop_at=126.0)
     assert out["result"].startswith("Stopped by remat"), out["result"]
     assert out["objective"] * m.time_unit == pytest.approx(126.0)
 
@@ -100,11 +103,11 @@ def test_cbc_stops_at_an_incumbent_that_meets_a_known_bound():
                          ids=["chain-slow-link", "chain-fast-link", "unet3", "odd1"])
 def test_swap_bound_stays_below_the_swap_optimum(g, budget):
     budget = parse_budget(str(budget), g)
-    out = instant_ip.solve(g, budget, swap=True, time_limit=30, threads=1)
+    out = instant.solve(g, budget, swap=True, time_limit=30, threads=1)
     exact = ilp.solve(g, budget, swap=True, time_limit=60, threads=1, mode="exact")
     assert out["bound"] is not None and exact.report["status"] == "optimal"
     assert g.total_time <= out["bound"] <= exact.report["objective"] * (1 + 1e-9)
-    wb = ilp_scalable.window_bound(g, budget, swap=True)
+    wb = bounds.window_bound(g, budget, swap=True)
     assert wb * (1 - 1e-9) <= out["bound"]
 
 
@@ -135,8 +138,8 @@ def test_every_schedule_maps_onto_a_solution_that_costs_no_more(g, ratio):
     for name, sched, res in fitting_schedules(g, budget):
         swap = any(op.op == "swap_in" for op in sched.ops)
         for in_stage in (False, True):  # (with the held-through variables and rebuild moments)
-            m = instant_ip.build(g, budget, swap=swap, in_stage=in_stage)
-            assert instant_ip.set_warm_start(g, m, sched)
+            m = instant.build(g, budget, swap=swap, in_stage=in_stage)
+            assert instant.set_warm_start(g, m, sched)
             bad = [name for name, c in m.prob.constraints.items() if not c.valid(1e-9)]
             assert not bad, (name, in_stage, bad[:5])
             assert all(x.varValue >= x.lowBound - 1e-9 for x in m.prob.variables() if x.lowBound is not None)
@@ -147,8 +150,8 @@ def test_every_schedule_maps_onto_a_solution_that_costs_no_more(g, ratio):
 
 def test_a_budget_below_what_an_instant_must_hold_is_infeasible():
     g = linear_chain(8)
-    assert instant_ip.build(g, 2) is None  # at the first backward node: gradient, two inputs, output
-    out = instant_ip.solve(g, 2)
+    assert instant.build(g, 2) is None  # at the first backward node: gradient, two inputs, output
+    out = instant.solve(g, 2)
     assert out["infeasible"] and out["bound"] is None and out["schedule"] is None
 
 
@@ -170,7 +173,7 @@ def test_exact_mode_returns_the_instant_ip_plan_when_it_fits_and_says_it_is_prov
 def test_scalable_mode_proves_a_chain_through_the_instant_ip_where_the_window_ip_cannot(no_chain_bound):
     # chain12 at 6 units: lookahead's plan is optimal (47); the window IP stops at 45
     g = linear_chain(12)
-    s = ilp_scalable.solve(g, 6, swap=False, time_limit=30, threads=1)
+    s = scalable.solve(g, 6, swap=False, time_limit=30, threads=1)
     r = s.report
     assert r["status"] == "optimal" and r["objective"] == pytest.approx(47.0)
     assert r["bound_from"].startswith("instant IP") and r["instant_ip"]["bound"] == pytest.approx(47.0)
@@ -193,14 +196,14 @@ def test_exact_mode_proves_unet5_where_the_full_ilp_alone_stops_short():
                                               (random_layered(20, seed=2), "0.6x", 157.0)],
                          ids=["chain12", "unet3", "random20s2"])
 def test_highs_solves_the_same_model_to_the_same_optimum(g, budget, optimum):
-    # the scalable mode's instant-IP run (ilp_scalable step 0c) uses HiGHS when installed
+    # the scalable mode's instant-IP run (scalable step 0c) uses HiGHS when installed
     pytest.importorskip("highspy")
     budget = parse_budget(str(budget), g)
     # a HiGHS solve with its default thread count first: HiGHS keeps its first thread pool for
-    # the process and failed the next solve that asked for one thread ("Not Set") until ilp._run
+    # the process and failed the next solve that asked for one thread ("Not Set") until mip.run
     # reset it
     assert ilp.solve(linear_chain(6), 5, swap=False, backend="highs", threads=None).report["status"] == "optimal"
-    out = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs")
+    out = instant.solve(g, budget, time_limit=60, threads=1, backend="highs")
     assert out["proven"] and out["bound"] == pytest.approx(optimum) and out["objective"] == pytest.approx(optimum)
     assert simulate(g, out["schedule"]).time == pytest.approx(optimum)
 
@@ -209,7 +212,7 @@ def test_exact_mode_asks_highs_when_cbc_leaves_the_instant_ip_open(monkeypatch):
     # CBC stand-in: stopped with nothing (as on random_layered(49) at 0.8x, where CBC's instant-IP
     # bound is 1.1200 after 30 s and HiGHS proves 1.1272); HiGHS then solves the same model
     pytest.importorskip("highspy")
-    real = instant_ip.solve
+    real = instant.solve
     calls = []
 
     def stand_in(*a, backend="cbc", in_stage=False, **k):
@@ -219,7 +222,7 @@ def test_exact_mode_asks_highs_when_cbc_leaves_the_instant_ip_open(monkeypatch):
                     "variables": 0}
         return real(*a, backend=backend, in_stage=in_stage, **k)
 
-    monkeypatch.setattr(instant_ip, "solve", stand_in)
+    monkeypatch.setattr(instant, "solve", stand_in)
     g = unet(3)
     budget = parse_budget("0.6x", g)
     s = ilp.solve(g, budget, swap=False, time_limit=60, threads=1)
@@ -244,17 +247,17 @@ def rebuilds(graph: Graph, schedule) -> set:
 
 
 def test_highs_is_handed_the_warm_start():
-    # PuLP passes HiGHS no MIP start; ilp._run hands it one through highspy.  Stopped before it
+    # PuLP passes HiGHS no MIP start; mip.run hands it one through highspy.  Stopped before it
     # solves anything, HiGHS returns the start with it and nothing without it
     pytest.importorskip("highspy")
     g = unet(5)
     budget = parse_budget("0.6x", g)
     start = ilp.best_baseline(g, budget)
     for warm in (False, True):
-        m = instant_ip.build(g, budget)
+        m = instant.build(g, budget)
         if warm:
-            assert instant_ip.set_warm_start(g, m, start)
-        out = ilp._run(m, "highs", 1e-6, 0.0, 1, warm, False)
+            assert instant.set_warm_start(g, m, start)
+        out = mip.run(m, "highs", 1e-6, 0.0, 1, warm, False)
         if warm:
             assert out["objective"] * m.time_unit == pytest.approx(simulate(g, start).time)
         else:
@@ -263,7 +266,7 @@ def test_highs_is_handed_the_warm_start():
 
 def test_neighbourhoods_partition_the_forward_nodes_into_runs_ending_at_articulation_points():
     for g in (unet(5), random_layered(30, seed=1), linear_chain(20)):
-        regions = instant_ip.neighbourhoods(g, 3)
+        regions = instant.neighbourhoods(g, 3)
         fwd = [v for v in range(g.n) if g.nodes[v].kind == "forward"]
         assert sorted(v for r in regions for v in r) == fwd and len(regions) == 3
         assert all(max(r) - min(r) + 1 == len(r) for r in regions)
@@ -277,7 +280,7 @@ def test_neighbourhoods_partition_the_forward_nodes_into_runs_ending_at_articula
         edges += [(a, a + 1), (a + 1, a + 2), (a + 2, a + 3), (a, a + 3)]
     from remat.generators import from_forward
     g = from_forward(times, sizes, edges)
-    ends = [max(r) for r in instant_ip.neighbourhoods(g, 3)][:-1]
+    ends = [max(r) for r in instant.neighbourhoods(g, 3)][:-1]
     assert ends and all(e % 3 == 0 for e in ends)  # the adds are 3, 6, 9, ...
 
 
@@ -288,14 +291,14 @@ def test_neighbourhood_search_frees_only_its_region_and_keeps_the_start(backend)
     g = unet(5)
     budget = parse_budget("0.6x", g)
     start = ilp.best_baseline(g, budget)
-    region = instant_ip.neighbourhoods(g, 3)[1]
-    out = instant_ip.solve(g, budget, start=start, region=region, time_limit=20, threads=1, backend=backend)
+    region = instant.neighbourhoods(g, 3)[1]
+    out = instant.solve(g, budget, start=start, region=region, time_limit=20, threads=1, backend=backend)
     assert out["bound"] is None  # a neighbourhood's bound is not the graph's
     assert out["objective"] <= simulate(g, start).time + 1e-9
     outside = lambda s: {(t, v) for t, v in rebuilds(g, s) if v not in region}  # noqa: E731
     assert outside(out["schedule"]) <= outside(start)
     with pytest.raises(SolverError, match="needs a start"):
-        instant_ip.solve(g, budget, region=region)
+        instant.solve(g, budget, region=region)
 
 
 def test_strict_moments_make_a_plan_that_fits_where_the_plain_model_overflows():
@@ -305,10 +308,10 @@ def test_strict_moments_make_a_plan_that_fits_where_the_plain_model_overflows():
     pytest.importorskip("highspy")
     g = random_layered(20, seed=2)
     budget = parse_budget("0.6x", g)
-    plain = instant_ip.solve(g, budget, time_limit=30, threads=1, backend="highs")
+    plain = instant.solve(g, budget, time_limit=30, threads=1, backend="highs")
     assert plain["proven"] and plain["objective"] == pytest.approx(157.0)
     assert simulate(g, plain["schedule"]).peak_bytes > budget
-    strict = instant_ip.solve(g, budget, time_limit=30, threads=1, backend="highs", strict=True)
+    strict = instant.solve(g, budget, time_limit=30, threads=1, backend="highs", strict=True)
     assert strict["objective"] == pytest.approx(159.0) and strict["bound"] is None  # no relaxation
     res = simulate(g, strict["schedule"])
     assert res.valid and res.peak_bytes <= budget and res.time == pytest.approx(159.0)
@@ -327,8 +330,8 @@ def test_split_bound_stays_below_the_optimum_and_adds_up_its_windows(g, ratio, o
     # U-Nets the windows' sum is the optimum itself
     budget = parse_budget(ratio, g)
     backend = "highs" if ilp.highs_available() else "cbc"
-    out = instant_ip.split_bound(g, budget, time_limit=30, threads=1, backend=backend)
-    candidates = instant_ip.split_candidates(g, budget)
+    out = windows.split_bound(g, budget, time_limit=30, threads=1, backend=backend)
+    candidates = windows.split_candidates(g, budget)
     assert candidates and set(out["cuts"]) <= set(candidates) and out["cuts"][0] == candidates[0]
     wins = out["windows"]
     assert [a for a, *_ in wins] == [0] + out["cuts"] and [b for _, b, *_ in wins] == out["cuts"] + [g.n - 1]
@@ -344,7 +347,7 @@ def _split_with_one_hard_window(monkeypatch, g, budget, hard):
     clock = [0.0]
     solves: dict = {}
     windows: dict = {}
-    build = instant_ip.build
+    build = instant.build
 
     def build_and_note(graph, b, **k):
         m = windows[k["window"]] = build(graph, b, **k)
@@ -358,10 +361,10 @@ def _split_with_one_hard_window(monkeypatch, g, budget, hard):
             return {"bound": 1000.0, "proven": False, "infeasible": False, "objective": 2000.0}
         return {"bound": 0.0, "proven": True, "infeasible": False, "objective": 0.0}
 
-    monkeypatch.setattr(instant_ip, "build", build_and_note)
-    monkeypatch.setattr(instant_ip.ilp, "_run", run)
-    monkeypatch.setattr(instant_ip._time, "perf_counter", lambda: clock[0])
-    out = instant_ip.split_bound(g, budget, time_limit=1000.0, threads=1, backend="highs")
+    monkeypatch.setattr(instant, "build", build_and_note)
+    monkeypatch.setattr(mip, "run", run)
+    monkeypatch.setattr(ilp_windows._time, "perf_counter", lambda: clock[0])
+    out = ilp_windows.split_bound(g, budget, time_limit=1000.0, threads=1, backend="highs")
     assert (hard[0], hard[1], pytest.approx(1000.0 * windows[hard].time_unit), False) in out["windows"]
     return solves
 
@@ -373,10 +376,10 @@ def test_split_bound_gives_its_hard_window_what_is_left_in_one_solve(monkeypatch
     # solved again once, with everything left, not in two solves that each start from scratch
     g = unet(4)
     budget = parse_budget("0.6x", g)
-    hard = (instant_ip.split_candidates(g, budget)[0], g.n - 1)
+    hard = (windows.split_candidates(g, budget)[0], g.n - 1)
     solves = _split_with_one_hard_window(monkeypatch, g, budget, hard)
     first, again = solves[hard]  # two solves, no more
-    assert first == pytest.approx((1 - instant_ip.SPLIT_FIRST) * 1000.0 / 2)  # (the others proven at once)
+    assert first == pytest.approx((1 - windows.SPLIT_FIRST) * 1000.0 / 2)  # (the others proven at once)
     assert again == pytest.approx(1000.0 - first)
 
 
@@ -385,7 +388,7 @@ def test_split_bound_gives_a_hard_first_window_all_the_time_the_others_leave(mon
     # time (1088 of 1800 s) with the rest unused
     g = unet(4)
     budget = parse_budget("0.6x", g)
-    hard = (0, instant_ip.split_candidates(g, budget)[0])
+    hard = (0, windows.split_candidates(g, budget)[0])
     solves = _split_with_one_hard_window(monkeypatch, g, budget, hard)
     assert solves[hard] == [pytest.approx(1000.0)]  # (the others took no time)
 
@@ -394,16 +397,16 @@ def test_split_candidates_are_tight_backward_instants():
     g = unet(4)
     budget = parse_budget("0.6x", g)
     cap = budget - g.fixed_bytes
-    forced = instant_ip.forced_loads(g)
-    cands = instant_ip.split_candidates(g, budget)
-    assert cands and cands == sorted(cands) and len(cands) <= instant_ip.SPLIT_MOST
-    assert all(g.nodes[t].kind == "backward" and cap - forced[t] <= instant_ip.SPLIT_ROOM * cap for t in cands)
+    forced = analysis.forced_loads(g)
+    cands = windows.split_candidates(g, budget)
+    assert cands and cands == sorted(cands) and len(cands) <= windows.SPLIT_MOST
+    assert all(g.nodes[t].kind == "backward" and cap - forced[t] <= windows.SPLIT_ROOM * cap for t in cands)
     others = [cap - forced[t] for t, v in enumerate(g.nodes) if v.kind == "backward" and t not in cands
               and 0 < t < g.n - 1]
     assert all(cap - forced[t] <= r for t in cands for r in others)  # the tightest ones
-    assert len(cands) == instant_ip.SPLIT_MOST or all(r > instant_ip.SPLIT_ROOM * cap for r in others)
-    assert instant_ip.split_candidates(g, parse_budget("1x", g)) == []  # nothing is tight without a squeeze
-    assert instant_ip.split_bound(g, parse_budget("1x", g)) is None
+    assert len(cands) == windows.SPLIT_MOST or all(r > windows.SPLIT_ROOM * cap for r in others)
+    assert windows.split_candidates(g, parse_budget("1x", g)) == []  # nothing is tight without a squeeze
+    assert windows.split_bound(g, parse_budget("1x", g)) is None
 
 
 @pytest.mark.parametrize("g,ratio", [(unet(3), "0.6x"), (random_layered(20, seed=2), "0.7x"), (linear_chain(16), "0.3x")],
@@ -412,7 +415,7 @@ def test_every_schedule_maps_onto_every_window_at_no_more_than_its_recomputation
     # the split bound's proof, checked: read off a schedule, each window's variables satisfy every
     # row the window keeps, and the windows of any cuts cost at most what the schedule recomputes
     budget = parse_budget(ratio, g)
-    points = instant_ip.split_candidates(g, budget)
+    points = windows.split_candidates(g, budget)
     assert points
     checked = 0
     for name, sched, res in fitting_schedules(g, budget):
@@ -421,9 +424,9 @@ def test_every_schedule_maps_onto_every_window_at_no_more_than_its_recomputation
         ends = [0] + points + [g.n - 1]
         total = 0.0
         for a, b in zip(ends, ends[1:]):
-            m = instant_ip.build(g, budget, window=(a, b))
+            m = instant.build(g, budget, window=(a, b))
             assert all(t >= a for t, _ in m.P) and all(t > a for t, _ in m.N) and all(t <= b for t, _ in m.P)
-            assert instant_ip.set_warm_start(g, m, sched)
+            assert instant.set_warm_start(g, m, sched)
             bad = [k for k, c in m.prob.constraints.items() if not c.valid(1e-9)]
             assert not bad, (name, a, b, bad[:5])
             total += (m.prob.objective.value() or 0.0) * m.time_unit
@@ -437,7 +440,7 @@ needs_highs = pytest.mark.skipif(not ilp.highs_available(), reason="HiGHS solves
 
 def _violated_path_rows(g, m):
     """The path rows the model's current point violates (`path_rows` at its variables' values)."""
-    return instant_ip.path_rows(g, m, {x: x.varValue or 0.0 for x in [*m.P.values(), *m.N.values()]}, eps=1e-9)
+    return paths.path_rows(g, m, {x: x.varValue or 0.0 for x in [*m.P.values(), *m.N.values()]}, eps=1e-9)
 
 
 @needs_highs
@@ -450,12 +453,12 @@ def test_path_rows_hold_at_every_integral_solution_the_model_has(g, ratio):
     import random
     import pulp
     budget = parse_budget(ratio, g)
-    points = instant_ip.split_candidates(g, budget) or [g.n // 2]
+    points = windows.split_candidates(g, budget) or [g.n // 2]
     for window in (None, (points[0], g.n - 1)):
-        m = instant_ip.build(g, budget, window=window)
+        m = instant.build(g, budget, window=window)
         for name, sched, _ in fitting_schedules(g, budget):
             if not any(op.op == "swap_in" for op in sched.ops):
-                assert instant_ip.set_warm_start(g, m, sched)
+                assert instant.set_warm_start(g, m, sched)
                 assert not _violated_path_rows(g, m), (name, window)
         rng = random.Random(7)
         cols = list(m.P.values()) + list(m.N.values())
@@ -473,17 +476,17 @@ def test_path_rows_raise_the_lp_and_keep_the_optimum(g, budget):
     # the rows cut off LP points (the LP rises; chain10: 38 -> 40.9 of 42) but no integral
     # solution: the model proves the same optimum with them as without
     budget = parse_budget(budget, g) if isinstance(budget, str) else budget
-    plain = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs", path=False)
+    plain = instant.solve(g, budget, time_limit=60, threads=1, backend="highs", path=False)
     assert plain["proven"]
     optimum = plain["objective"]
-    m = instant_ip.build(g, budget)
-    lp = instant_ip._Relaxation(m)
+    m = instant.build(g, budget)
+    lp = paths.Relaxation(m)
     assert lp.solve() is not None
     before = lp.objective * m.time_unit
-    out = instant_ip.add_path_rows(g, m)
+    out = paths.add_path_rows(g, m)
     assert out["rows"] > 0 and before + 1e-6 * optimum < out["lp"] <= optimum * (1 + 1e-9)
     assert len([k for k in m.prob.constraints if k.startswith("path_")]) == out["rows"] <= out["separated"]
-    solved = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs")
+    solved = instant.solve(g, budget, time_limit=60, threads=1, backend="highs")
     assert solved["proven"] and solved["objective"] == pytest.approx(optimum)
 
 
@@ -493,13 +496,13 @@ def test_path_rows_without_highs_come_from_cbcs_lp_alike(monkeypatch):
     # variables (a warm start sets its own)
     g = random_layered(20, seed=2)
     budget = parse_budget("0.6x", g)
-    monkeypatch.setattr(instant_ip.ilp, "highs_available", lambda: False)
-    m = instant_ip.build(g, budget)
-    out = instant_ip.add_path_rows(g, m)
+    monkeypatch.setattr(mip, "highs_available", lambda: False)
+    m = instant.build(g, budget)
+    out = paths.add_path_rows(g, m)
     assert out["rows"] > 0 and 150.24 < out["lp"] <= 157.0 + 1e-9
     assert len([k for k in m.prob.constraints if k.startswith("path_")]) == out["rows"] <= out["separated"]
     assert all(x.varValue is None for x in m.prob.variables())
-    solved = instant_ip.solve(g, budget, time_limit=60, threads=1)  # (CBC)
+    solved = instant.solve(g, budget, time_limit=60, threads=1)  # (CBC)
     assert solved["proven"] and solved["objective"] == pytest.approx(157.0)
 
 
@@ -515,12 +518,12 @@ def test_coupled_bound_lifts_the_free_split_and_stays_below_every_schedule(g, ra
     # instant IP's proven optimum (its recomputation) nor what any recompute-only schedule recomputes
     budget = parse_budget(ratio, g)
     end = g.n - 1
-    first = instant_ip.coupled_bound(g, budget, cut, end, rounds=1, time_limit=30)
-    out = instant_ip.coupled_bound(g, budget, cut, end, time_limit=60)
+    first = windows.coupled_bound(g, budget, cut, end, rounds=1, time_limit=30)
+    out = windows.coupled_bound(g, budget, cut, end, time_limit=60)
     assert first["bound"] == pytest.approx(free) and not first["converged"]
     assert out["converged"] and out["bound"] == pytest.approx(out["master"], rel=1e-5)
     assert free + 0.1 < out["bound"] <= optimum + 1e-6
-    solved = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs", path=False)
+    solved = instant.solve(g, budget, time_limit=60, threads=1, backend="highs", path=False)
     assert solved["proven"] and solved["objective"] - g.total_time == pytest.approx(optimum)
     checked = 0
     for name, sched, res in fitting_schedules(g, budget):
@@ -534,22 +537,22 @@ def test_coupled_bound_lifts_the_free_split_and_stays_below_every_schedule(g, ra
 def test_coupled_bound_needs_highs_and_a_cut_inside(monkeypatch):
     g = linear_chain(12)
     budget = parse_budget("0.5x", g)
-    assert instant_ip.coupled_bound(g, budget, 0, g.n - 1) is None
-    assert instant_ip.coupled_bound(g, budget, 16, 16) is None
-    monkeypatch.setattr(instant_ip.ilp, "highs_available", lambda: False)
-    assert instant_ip.coupled_bound(g, budget, 16, g.n - 1) is None
+    assert windows.coupled_bound(g, budget, 0, g.n - 1) is None
+    assert windows.coupled_bound(g, budget, 16, 16) is None
+    monkeypatch.setattr(mip, "highs_available", lambda: False)
+    assert windows.coupled_bound(g, budget, 16, g.n - 1) is None
 
 
 def test_window_size_counts_the_window_models_variables_and_places_the_coupling_cut():
     g = random_layered(20, seed=4)
     budget = parse_budget("0.65x", g)
     for a, b in [(0, g.n - 1), (0, 31), (29, 31), (12, 35), (30, 31)]:
-        m = instant_ip.build(g, budget, window=(a, b))
-        assert instant_ip.window_size(g, a, b) == len(m.P) + len(m.N), (a, b)
+        m = instant.build(g, budget, window=(a, b))
+        assert windows.window_size(g, a, b) == len(m.P) + len(m.N), (a, b)
     for least in (20, 40, 80):
-        cut = instant_ip.couple_cut(g, 31, least)
-        assert instant_ip.window_size(g, cut, 31) >= least > instant_ip.window_size(g, cut + 1, 31)
-    assert instant_ip.couple_cut(g, 31, instant_ip.window_size(g, 0, 31) + 1) is None
+        cut = windows.couple_cut(g, 31, least)
+        assert windows.window_size(g, cut, 31) >= least > windows.window_size(g, cut + 1, 31)
+    assert windows.couple_cut(g, 31, windows.window_size(g, 0, 31) + 1) is None
 
 
 @needs_highs
@@ -558,25 +561,25 @@ def test_couple_split_couples_the_splits_start_at_its_tightest_point_and_stays_b
     # ends at the split's tightest point, keeps the split's windows after it, and is a bound
     g = random_layered(20, seed=4)
     budget = parse_budget("0.65x", g)
-    split = instant_ip.split_bound(g, budget, time_limit=30, threads=1, backend="highs")
-    monkeypatch.setattr(instant_ip, "COUPLE_W2_VARS", 40)
-    out = instant_ip.couple_split(g, budget, split, time_limit=30, threads=1)
+    split = windows.split_bound(g, budget, time_limit=30, threads=1, backend="highs")
+    monkeypatch.setattr(windows, "COUPLE_W2_VARS", 40)
+    out = windows.couple_split(g, budget, split, time_limit=30, threads=1)
     cap = budget - g.fixed_bytes
-    forced = instant_ip.forced_loads(g)
+    forced = analysis.forced_loads(g)
     points = [t for t in split["tails"] if 0 < t < g.n - 1]
     assert out["end"] == min(points, key=lambda t: (cap - forced[t], t))
-    assert out["cut"] == instant_ip.couple_cut(g, out["end"], 40)
-    co = instant_ip.coupled_bound(g, budget, out["cut"], out["end"], time_limit=30, threads=1,
-                                  price_limit=instant_ip.COUPLE_PRICE_S,
-                                  path_rounds=instant_ip.COUPLE_SPLIT_PATH_ROUNDS)
+    assert out["cut"] == windows.couple_cut(g, out["end"], 40)
+    co = windows.coupled_bound(g, budget, out["cut"], out["end"], time_limit=30, threads=1,
+                                  price_limit=windows.COUPLE_PRICE_S,
+                                  path_rounds=windows.COUPLE_SPLIT_PATH_ROUNDS)
     assert out["bound"] == pytest.approx(g.total_time + co["bound"] + split["tails"][out["end"]])
     assert g.total_time + split["tails"][out["end"]] < out["bound"] <= 187.0 + 1e-9
     for name, sched, res in fitting_schedules(g, budget):
         if not any(op.op == "swap_in" for op in sched.ops):
             assert out["bound"] <= res.time * (1 + 1e-9), name
-    assert instant_ip.couple_split(g, budget, dict(split, tails={g.n - 1: 0.0}), time_limit=30) is None
-    monkeypatch.setattr(instant_ip, "COUPLE_W2_VARS", 10 ** 6)  # (no window that large: no cut)
-    assert instant_ip.couple_split(g, budget, split, time_limit=30) is None
+    assert windows.couple_split(g, budget, dict(split, tails={g.n - 1: 0.0}), time_limit=30) is None
+    monkeypatch.setattr(windows, "COUPLE_W2_VARS", 10 ** 6)  # (no window that large: no cut)
+    assert windows.couple_split(g, budget, split, time_limit=30) is None
 
 
 @needs_highs
@@ -587,11 +590,11 @@ def test_highs_gives_up_when_asked_with_its_bound_in_seconds_of_the_schedule():
     g = random_layered(20, seed=2)
     budget = parse_budget("0.6x", g)
     seen: list = []
-    out = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs", path=False,
+    out = instant.solve(g, budget, time_limit=60, threads=1, backend="highs", path=False,
                            give_up=lambda elapsed, bound: seen.append((elapsed, bound)) or True)
     assert len(seen) >= 1 and not out["proven"]
     assert out["bound"] is None or out["bound"] <= 157.0 + 1e-6
-    full = instant_ip.solve(g, budget, time_limit=60, threads=1, backend="highs", path=False,
+    full = instant.solve(g, budget, time_limit=60, threads=1, backend="highs", path=False,
                             give_up=lambda elapsed, bound: seen.append((elapsed, bound)) and False)
     assert full["proven"] and full["objective"] == pytest.approx(157.0)
     bounds = [b for _, b in seen if b is not None]

@@ -333,11 +333,11 @@ def test_import_is_light():
 
 
 def test_sweep_records_solver_failures(chain8, monkeypatch, caplog):
-    from remat import solvers
+    from remat.solvers import registry
 
     def broken(graph, budget_bytes, **options):
         raise RuntimeError("backend crashed")
-    monkeypatch.setitem(solvers._REGISTRY, "broken", broken)
+    monkeypatch.setitem(registry._REGISTRY, "broken", broken)
     rows = list(sweep(chain8, [10], ["broken", "checkpoint-all"]))
     assert [r["status"] for r in rows] == ["error", "heuristic"]
     assert "backend crashed" in caplog.text

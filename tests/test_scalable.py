@@ -1,4 +1,4 @@
-"""The ILP's scalable mode (solvers/ilp_scalable.py): coarsening, expansion, bounds, and the
+"""The ILP's scalable mode (solvers/ilp/scalable.py): coarsening, expansion, bounds, and the
 plans against the exact ILP."""
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from remat.budget import parse_budget
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError, SolverError
 from remat.generators import linear_chain, random_layered, unet
 from remat.core.graph import Graph, Node
-from remat.solvers import get, ilp, ilp_scalable, instant_ip, names
+from remat.core import analysis
+from remat.solvers import get, ilp, names
+from remat.solvers.ilp import bounds, exact, instant, mip, paths, scalable, warm, windows, worker
+from remat.solvers.ilp import coarsen as ilp_coarsen
 
 
 def fits(g, sched, budget):
@@ -25,14 +28,14 @@ def fits(g, sched, budget):
 # ---- coarsening and expansion -------------------------------------------------------------------
 @pytest.mark.parametrize("g", [linear_chain(12), random_layered(20, seed=3), unet(3)], ids=["chain", "random", "unet"])
 def test_groups_are_contiguous_same_kind_runs_and_the_quotient_is_a_dag(g):
-    groups = ilp_scalable.choose_groups(g, 9)
+    groups = ilp_coarsen.choose_groups(g, 9)
     assert [v for grp in groups for v in grp] == list(range(g.n))
-    co = ilp_scalable.coarsen(g, groups)
+    co = ilp_coarsen.coarsen(g, groups)
     assert co.graph.n == len(groups) < g.n
     assert all(a < b for a, b in co.graph.edges)
     assert math.isclose(co.graph.total_time, g.total_time)
     assert sum(v.bytes for v in co.graph.nodes) == sum(v.bytes for v in g.nodes)
-    if ilp_scalable.checkmate_layout(g) is not None:  # backward runs mirror the forward ones
+    if analysis.checkmate_layout(g) is not None:  # backward runs mirror the forward ones
         m = g.n // 2
         fwd = [grp for grp in groups if grp[0] < m]
         bwd = [grp for grp in groups if grp[0] > m]
@@ -44,10 +47,10 @@ def test_groups_are_contiguous_same_kind_runs_and_the_quotient_is_a_dag(g):
                          ids=["chain-0.5x", "chain10-0.4x", "unet3"])
 def test_expanded_coarse_ilp_schedule_fits_and_costs_what_the_coarse_model_says(g, ratio, k):
     budget = parse_budget(ratio, g)
-    groups = ilp_scalable.fit_groups(g, ilp_scalable.choose_groups(g, k), budget)
-    co = ilp_scalable.coarsen(g, groups)
+    groups = ilp_coarsen.fit_groups(g, ilp_coarsen.choose_groups(g, k), budget)
+    co = ilp_coarsen.coarsen(g, groups)
     cs = ilp.solve(co.graph, budget, swap=False, time_limit=20, threads=1, mode="exact")
-    fine = ilp_scalable.expand(co, cs)
+    fine = ilp_coarsen.expand(co, cs)
     res = fits(g, fine, budget)
     # recompute only: every coarse recompute is the recompute of all its members; pruning waste
     # can only remove work
@@ -57,10 +60,10 @@ def test_expanded_coarse_ilp_schedule_fits_and_costs_what_the_coarse_model_says(
 def test_expansion_of_a_swap_schedule_is_valid():
     g = linear_chain(12)
     budget = parse_budget("0.4x", g)
-    co = ilp_scalable.coarsen(g, ilp_scalable.fit_groups(g, ilp_scalable.choose_groups(g, 13), budget))
+    co = ilp_coarsen.coarsen(g, ilp_coarsen.fit_groups(g, ilp_coarsen.choose_groups(g, 13), budget))
     cs = ilp.solve(co.graph, budget, swap=True, time_limit=8, threads=1, mode="exact")
     assert any(st.swap_out for st in cs.stages)  # the case is about swaps
-    fits(g, ilp_scalable.expand(co, cs), budget)
+    fits(g, ilp_coarsen.expand(co, cs), budget)
 
 
 # ---- bounds -------------------------------------------------------------------------------------
@@ -71,14 +74,14 @@ SMALL = [("chain16", linear_chain(16)), ("random15", random_layered(15, seed=1))
 def test_knapsack_bound_never_exceeds_the_exact_optimum(name, g):
     for ratio in ("0.6x", "0.8x", "1.0x"):
         budget = parse_budget(ratio, g)
-        kb = ilp_scalable.knapsack_bound(g, budget)
+        kb = bounds.knapsack_bound(g, budget)
         try:
             exact = ilp.solve(g, budget, swap=False, time_limit=20, threads=1, mode="exact")
         except InfeasibleBudgetError:
             continue
         assert exact.report["status"] == "optimal"
         assert kb is not None and g.total_time <= kb <= exact.report["objective"] * (1 + 1e-9), (ratio, kb)
-        wb = ilp_scalable.window_bound(g, budget)
+        wb = bounds.window_bound(g, budget)
         assert wb is not None and kb * (1 - 1e-9) <= wb <= exact.report["objective"] * (1 + 1e-9), (ratio, wb)
 
 
@@ -100,7 +103,7 @@ def test_window_ip_bound_holds_with_workspace_fixed_bytes_and_free_nodes(seed):
                 continue
             if exact.report["status"] != "optimal":
                 continue
-            wb = ilp_scalable.window_bound(g, budget, swap=swap)
+            wb = bounds.window_bound(g, budget, swap=swap)
             assert wb is not None and g.total_time <= wb <= exact.report["objective"] * (1 + 1e-9), (ratio, swap)
             checked += 1
     assert checked >= 2
@@ -115,8 +118,8 @@ def test_window_ip_bound_is_stronger_than_the_knapsack_and_below_the_optimum(g, 
     # the window IP couples every instant (one binary per value and use); on random15 at 0.8x it
     # proves the optimum where the knapsack (one instant, fractional) stops at 136.57
     budget = parse_budget(ratio, g)
-    assert ilp_scalable.knapsack_bound(g, budget) == pytest.approx(knapsack, abs=1e-3)
-    assert ilp_scalable.window_bound(g, budget) == pytest.approx(window)
+    assert bounds.knapsack_bound(g, budget) == pytest.approx(knapsack, abs=1e-3)
+    assert bounds.window_bound(g, budget) == pytest.approx(window)
     exact = ilp.solve(g, budget, swap=False, time_limit=30, threads=1, mode="exact")
     assert exact.report["status"] == "optimal" and exact.report["objective"] == pytest.approx(optimum)
 
@@ -125,7 +128,7 @@ def test_knapsack_bound_proves_chain_optimum_where_the_lp_does_not_need_to():
     # chain16 at 0.5x: the instant the loss runs forces the recomputation the optimum pays
     g = linear_chain(16)
     budget = parse_budget("0.5x", g)
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=30, threads=1)
+    s = scalable.solve(g, budget, swap=False, time_limit=30, threads=1)
     assert s.report["status"] == "optimal" and s.report["gap"] == 0.0
     assert s.report["bound_from"] == "knapsack"
     assert math.isclose(s.report["objective"], 58.0)
@@ -141,8 +144,8 @@ def test_window_ip_bound_with_swap_holds_against_the_exact_swap_optimum(g, ratio
     # with swap a window's absence may end with a host copy instead of a computation; the copies
     # share one transfer stream, so the step lasts at least max(compute, transfers)
     budget = parse_budget(ratio, g)
-    ws = ilp_scalable.window_bound(g, budget, swap=True)
-    wr = ilp_scalable.window_bound(g, budget)
+    ws = bounds.window_bound(g, budget, swap=True)
+    wr = bounds.window_bound(g, budget)
     assert ws == pytest.approx(bound)
     assert g.total_time <= ws <= wr * (1 + 1e-9)
     exact = ilp.solve(g, budget, swap=True, time_limit=30, threads=1, mode="exact")
@@ -171,7 +174,7 @@ def test_scalable_mode_is_within_two_percent_of_the_exact_optimum(name, g, ratio
     assert exact.report["status"] == "optimal", exact.report
     opt = exact.report["objective"]
     # a coarse graph of about a third of the nodes, so that coarsening and expansion really run
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=20, threads=1, coarse_nodes=max(9, g.n // 3))
+    s = scalable.solve(g, budget, swap=False, time_limit=20, threads=1, coarse_nodes=max(9, g.n // 3))
     res = fits(g, s, budget)
     rep = s.report
     # the coarse phase runs unless the baselines and the bounds already prove the optimum (since
@@ -192,7 +195,7 @@ def test_scalable_mode_matches_the_exact_optimum_where_refinement_must_work():
     budget = parse_budget("0.6x", g)
     exact = ilp.solve(g, budget, swap=False, time_limit=60, threads=1, mode="exact")
     assert exact.report["status"] == "optimal"
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=40, threads=1, coarse_nodes=14)
+    s = scalable.solve(g, budget, swap=False, time_limit=40, threads=1, coarse_nodes=14)
     fits(g, s, budget)
     assert s.report["objective"] <= exact.report["objective"] * 1.02
     assert s.report["lower_bound"] <= exact.report["objective"] * (1 + 1e-9)
@@ -202,7 +205,7 @@ def test_scalable_mode_with_swap_is_valid_and_bounded_by_the_exact_swap_optimum(
     g = linear_chain(10)
     budget = parse_budget("0.4x", g)
     exact = ilp.solve(g, budget, swap=True, time_limit=30, threads=1, mode="exact")
-    s = ilp_scalable.solve(g, budget, swap=True, time_limit=30, threads=1, coarse_nodes=9)
+    s = scalable.solve(g, budget, swap=True, time_limit=30, threads=1, coarse_nodes=9)
     fits(g, s, budget)
     assert s.report["lower_bound"] <= exact.report["objective"] * (1 + 1e-9)
     assert s.report["objective"] <= exact.report["objective"] * 1.02
@@ -212,7 +215,7 @@ def test_scalable_mode_with_swap_is_valid_and_bounded_by_the_exact_swap_optimum(
 def test_mode_dispatch_and_registry():
     assert "ilp-scalable" in names()
     big = linear_chain(60)  # 121 nodes > AUTO_THRESHOLD
-    assert big.n > ilp_scalable.AUTO_THRESHOLD
+    assert big.n > scalable.AUTO_THRESHOLD
     budget = parse_budget("0.5x", big)
     s = ilp.solve(big, budget, swap=False, time_limit=8, threads=1)
     assert s.report["mode"] == "scalable"
@@ -233,7 +236,7 @@ def test_time_limit_is_honoured_and_progress_reports_incumbent_bound_gap():
     t0 = time.perf_counter()
     # (the instant IP proves this case optimal in ~6 s, so it is off here: this test is about the
     # phases after it, the time limit and the progress contract)
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=limit, threads=1, progress=seen.append,
+    s = scalable.solve(g, budget, swap=False, time_limit=limit, threads=1, progress=seen.append,
                            use_instant_ip=False)
     wall = time.perf_counter() - t0
     assert wall < limit * 1.25 + 3, wall
@@ -257,33 +260,31 @@ def test_a_coarse_ilp_that_overruns_to_the_watchdog_still_ends_within_the_time_l
     # CBC can ignore its limit in a root LP until the watchdog interrupts it (limit * 1.1 + grace)
     # and then kills it: the coarse solve's limit leaves room for that inside the call's (U-Net d3
     # at 0.3x with swap, 30 s: it ended at 33.5 s).  Here every coarse solve runs to that worst case
-    monkeypatch.setattr(ilp, "WATCHDOG_GRACE", (1.1, 1.5))  # (3 s and 5 s in use: shorter for the test)
-    monkeypatch.setattr(ilp, "WATCHDOG_KILL_S", 2.0)
-    real, given = ilp.solve, []
+    monkeypatch.setattr(mip, "WATCHDOG_GRACE", (1.1, 1.5))  # (3 s and 5 s in use: shorter for the test)
+    monkeypatch.setattr(mip, "WATCHDOG_KILL_S", 2.0)
+    given = []
 
-    def overrunning(graph, budget_bytes, **kw):
-        if kw.get("mode") != "exact":
-            return real(graph, budget_bytes, **kw)
+    def overrunning(graph, budget_bytes, **kw):  # (scalable's every exact solve is the coarse one)
         given.append(kw["time_limit"])
         time.sleep(kw["time_limit"] * 1.1 + 1.5 + 2.0)
         raise SolverError("the ILP found no schedule within the time limit (killed by the watchdog)")
 
-    monkeypatch.setattr(ilp, "solve", overrunning)
+    monkeypatch.setattr(exact, "solve", overrunning)
     # the steps before it take their shares of the time, longer on a loaded machine ("the coarse
     # ILP was not reached": on 14 test workers, once in CI, and in 3 runs of 3 beside two busy
     # processes on two cores): the window IP, the shift search and all baselines but lookahead are
     # left out, so the coarse solve starts within a second (3 runs of 3 pass beside them)
-    monkeypatch.setattr(ilp_scalable, "window_bound", lambda *a, **k: None)
-    monkeypatch.setattr(ilp_scalable, "BASELINES", ("lookahead",))
+    monkeypatch.setattr(bounds, "window_bound", lambda *a, **k: None)
+    monkeypatch.setattr(scalable, "BASELINES", ("lookahead",))
 
     def no_shift_search(*a, **k):
         raise SolverError("left out in this test")
-    monkeypatch.setattr(ilp, "shift_search", no_shift_search)
+    monkeypatch.setattr(warm, "shift_search", no_shift_search)
     g = linear_chain(60)  # 121 nodes; with swap no revolve bound closes the gap early
     budget = parse_budget("0.5x", g)
     limit = 6.0  # the coarse solve starts at ~1 s: a share of 0.6 would end at ~7.8 s
     t0 = time.perf_counter()
-    s = ilp_scalable.solve(g, budget, swap=True, time_limit=limit, threads=1, use_instant_ip=False)
+    s = scalable.solve(g, budget, swap=True, time_limit=limit, threads=1, use_instant_ip=False)
     wall = time.perf_counter() - t0
     assert given, "the coarse ILP was not reached"
     assert wall <= limit + 0.5, (wall, given)
@@ -297,7 +298,7 @@ def test_stops_as_soon_as_the_requested_gap_is_met():
     budget = parse_budget("0.6x", g)
     seen = []
     t0 = time.perf_counter()
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=60, gap=0.05, threads=1, progress=seen.append)
+    s = scalable.solve(g, budget, swap=False, time_limit=60, gap=0.05, threads=1, progress=seen.append)
     assert time.perf_counter() - t0 < 15
     fits(g, s, budget)
     assert 0 < s.report["gap"] <= 0.05 and s.report["status"] == "feasible"
@@ -308,13 +309,13 @@ def test_no_window_ip_once_a_baseline_meets_the_bound(monkeypatch):
     # chain24 at 0.6x: lookahead's 84 meets the knapsack bound; the window IP used to run anyway
     # (9 s, a CBC the watchdog had to stop); it is asked only while the gap is open
     calls = []
-    real = ilp_scalable.window_bound
-    monkeypatch.setattr(ilp_scalable, "window_bound", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = bounds.window_bound
+    monkeypatch.setattr(bounds, "window_bound", lambda *a, **k: calls.append(a) or real(*a, **k))
     g = linear_chain(24)
-    s = ilp_scalable.solve(g, parse_budget("0.6x", g), swap=False, time_limit=20, threads=1)
+    s = scalable.solve(g, parse_budget("0.6x", g), swap=False, time_limit=20, threads=1)
     assert s.report["status"] == "optimal" and s.report["objective"] == 84 and calls == []
     g = random_layered(20, seed=2)  # (lookahead 167 against a knapsack bound below: the window IP runs)
-    ilp_scalable.solve(g, parse_budget("0.6x", g), swap=False, time_limit=3, threads=1, use_instant_ip=False)
+    scalable.solve(g, parse_budget("0.6x", g), swap=False, time_limit=3, threads=1, use_instant_ip=False)
     assert calls and calls[0][0] is g
 
 
@@ -324,7 +325,7 @@ def test_scalable_mode_adds_rebuild_moments_where_the_proven_instant_optimum_ove
     # fits (the exact mode's on-demand loop, now in step 0c too)
     g = random_layered(20, seed=2)
     budget = parse_budget("0.6x", g)
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=30, threads=1, coarse_nodes=13)
+    s = scalable.solve(g, budget, swap=False, time_limit=30, threads=1, coarse_nodes=13)
     fits(g, s, budget)
     assert s.report["status"] == "optimal" and s.report["objective"] == pytest.approx(159)
     assert s.report["bound_from"].startswith("instant IP")
@@ -333,7 +334,7 @@ def test_scalable_mode_adds_rebuild_moments_where_the_proven_instant_optimum_ove
 def test_never_optimal_unless_the_bound_meets_the_incumbent():
     g = random_layered(40, seed=4)
     budget = parse_budget("0.8x", g)
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=3, threads=1, coarse_nodes=15,
+    s = scalable.solve(g, budget, swap=False, time_limit=3, threads=1, coarse_nodes=15,
                            lp_max_nodes=0, refine_max_nodes=0, full_refine_max_nodes=0)
     rep = s.report
     fits(g, s, budget)
@@ -345,12 +346,12 @@ def test_never_optimal_unless_the_bound_meets_the_incumbent():
 
 def test_budget_below_what_must_stay_resident_is_infeasible_with_the_need_named():
     g = random_layered(40, seed=4)
-    need = ilp_scalable.forced_need(g)
+    need = analysis.forced_need(g)
     with pytest.raises(InfeasibleBudgetError) as e:
-        ilp_scalable.solve(g, need - 1, swap=False, time_limit=5, threads=1)
+        scalable.solve(g, need - 1, swap=False, time_limit=5, threads=1)
     assert str(need) in str(e.value)
     # at the need itself the knapsack check passes (it is necessary, not sufficient)
-    assert ilp_scalable.knapsack_bound(g, need) is not None
+    assert bounds.knapsack_bound(g, need) is not None
 
 
 # ---- model scale (slow) -------------------------------------------------------------------------
@@ -383,7 +384,7 @@ def test_shift_search_around_dtr_meets_the_exact_optimum_on_a_unet():
 def test_scalable_mode_runs_shift_searches_from_its_best_baseline():
     g = unet(4)
     budget = parse_budget("0.6x", g)
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=20, threads=1, coarse_nodes=15)
+    s = scalable.solve(g, budget, swap=False, time_limit=20, threads=1, coarse_nodes=15)
     assert s.report["shift_rounds"] >= 1
     # DTR alone: 662; one shift search alone: 611 in about a second; exact: 595.  The time
     # shares make the final figure load-dependent (a clean CI run gave 623)
@@ -411,10 +412,10 @@ def test_neighbourhood_search_improves_on_the_shift_search(monkeypatch):
     # around that plan finds 179 (step 0d), which fits.  (With its path rows the instant IP
     # finds 178.5 itself, in 14 s, and leaves the search nothing to improve.)
     pytest.importorskip("highspy")
-    monkeypatch.setattr(instant_ip, "add_path_rows", lambda *a, **k: {"rows": 0, "separated": 0, "rounds": 0, "lp": None})
+    monkeypatch.setattr(paths, "add_path_rows", lambda *a, **k: {"rows": 0, "separated": 0, "rounds": 0, "lp": None})
     g = residual_blocks(12, 0)
     budget = parse_budget("0.4x", g)
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=40, threads=1)
+    s = scalable.solve(g, budget, swap=False, time_limit=40, threads=1)
     r = s.report
     assert r["incumbent_from"] == "neighbourhood search" and r["neighbourhoods"] >= 1
     res = fits(g, s, budget)
@@ -430,7 +431,7 @@ def test_with_swap_the_neighbourhood_search_still_gives_its_recompute_only_plans
     g = residual_blocks(12, 0)
     g.meta["bandwidth"] = 1e-3
     budget = parse_budget("0.4x", g)
-    s = ilp_scalable.solve(g, budget, swap=True, time_limit=25, threads=1)
+    s = scalable.solve(g, budget, swap=True, time_limit=25, threads=1)
     r = s.report
     assert r["incumbent_from"].startswith("neighbourhood search") and r["neighbourhoods"] >= 1
     res = fits(g, s, budget)
@@ -447,11 +448,11 @@ def test_two_threads_prove_the_same_optimum_with_the_instant_ip_in_a_worker(no_c
     def no_coarse(*a, **k):
         raise SolverError("no coarse ILP in this test")
 
-    monkeypatch.setattr(ilp, "solve", no_coarse)
+    monkeypatch.setattr(exact, "solve", no_coarse)
     g = linear_chain(12)
     opts = dict(swap=False, time_limit=30, lp_max_nodes=0, refine_max_nodes=0, full_refine_max_nodes=0)
-    one = ilp_scalable.solve(g, 6, threads=1, **opts)
-    two = ilp_scalable.solve(g, 6, threads=2, **opts)
+    one = scalable.solve(g, 6, threads=1, **opts)
+    two = scalable.solve(g, 6, threads=2, **opts)
     assert "instant_ip_worker_s" not in one.report and one.report["bound_from"].startswith("instant IP")
     r = two.report
     assert r["instant_ip_worker_s"] > 0 and r["bound_from"].endswith(", worker")
@@ -463,14 +464,14 @@ def test_two_threads_prove_the_same_optimum_with_the_instant_ip_in_a_worker(no_c
 def test_a_failing_worker_reports_its_error():
     # a neighbourhood search without a start is refused inside the worker: the parent hears why
     g = linear_chain(8)
-    w = ilp_scalable.InstantWorker(g, 6, 5.0, region={1, 2})
+    w = scalable.InstantWorker(g, 6, 5.0, region={1, 2})
     try:
         out = w.poll(wait=60.0)
     finally:
         w.close()
     assert out is not None and "needs a start" in out["error"] and "SolverError" in out["error"]
     # one that dies says so, with its exit code
-    w = ilp_scalable.InstantWorker(g, 6, 30.0)
+    w = scalable.InstantWorker(g, 6, 30.0)
     try:
         w._proc.kill()
         out = w.poll(wait=30.0)
@@ -482,7 +483,7 @@ def test_a_failing_worker_reports_its_error():
 def test_the_worker_is_stopped_when_the_search_fails(monkeypatch):
     started = []
 
-    class Recorded(ilp_scalable.InstantWorker):
+    class Recorded(scalable.InstantWorker):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             started.append(self)
@@ -490,11 +491,11 @@ def test_the_worker_is_stopped_when_the_search_fails(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("shift search broke")
 
-    monkeypatch.setattr(ilp_scalable, "InstantWorker", Recorded)
-    monkeypatch.setattr(ilp, "shift_search", broken)  # step 0b, which runs while the worker does
+    monkeypatch.setattr(scalable, "InstantWorker", Recorded)
+    monkeypatch.setattr(warm, "shift_search", broken)  # step 0b, which runs while the worker does
     g = unet(3)  # at 0.6x, the baselines and the cheap bounds leave a gap, so the worker starts
     with pytest.raises(RuntimeError, match="shift search broke"):
-        ilp_scalable.solve(g, parse_budget("0.6x", g), swap=False, time_limit=60, threads=2)
+        scalable.solve(g, parse_budget("0.6x", g), swap=False, time_limit=60, threads=2)
     assert len(started) == 1 and started[0]._proc.poll() is not None
 
 
@@ -504,7 +505,7 @@ def test_without_an_interpreter_to_start_the_instant_ip_runs_in_line(no_chain_bo
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     g = linear_chain(12)
-    s = ilp_scalable.solve(g, 6, swap=False, time_limit=30, threads=2)
+    s = scalable.solve(g, 6, swap=False, time_limit=30, threads=2)
     r = s.report
     assert "instant_ip_worker_s" not in r and "cannot start the instant IP's worker" in caplog.text
     assert r["status"] == "optimal" and r["objective"] == pytest.approx(47.0)
@@ -517,10 +518,9 @@ def test_the_split_bound_proves_what_the_whole_instant_ip_leaves_open(monkeypatc
     # (test_instant_ip), so with the whole instant IP giving nothing (as when it times out) the
     # proof comes from step 0c's split bound.  The worker process runs the same step; there the
     # whole instant IP proves 595 itself, and the split bound is not run
-    from remat.solvers import instant_ip
     g = unet(4)
     budget = parse_budget("0.6x", g)
-    w = ilp_scalable.InstantWorker(g, budget, 30.0, threads=1)
+    w = scalable.InstantWorker(g, budget, 30.0, threads=1)
     try:
         out = w.poll(wait=60.0)
     finally:
@@ -531,11 +531,11 @@ def test_the_split_bound_proves_what_the_whole_instant_ip_leaves_open(monkeypatc
         return {"bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": False,
                 "variables": 0}
 
-    monkeypatch.setattr(instant_ip, "solve", timed_out)
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=60, threads=1)
+    monkeypatch.setattr(instant, "solve", timed_out)
+    s = scalable.solve(g, budget, swap=False, time_limit=60, threads=1)
     r = s.report
     assert r["split_bound"]["proven"] and r["split_bound"]["bound"] == pytest.approx(595.0)
-    assert r["split_bound"]["cuts"][0] == instant_ip.split_candidates(g, budget)[0]
+    assert r["split_bound"]["cuts"][0] == windows.split_candidates(g, budget)[0]
     assert r["lower_bound"] == pytest.approx(595.0) and fits(g, s, budget).time == pytest.approx(595.0)
     assert r["status"] == "optimal" and "split at tight instants" in r["bound_from"]
 
@@ -543,15 +543,24 @@ def test_the_split_bound_proves_what_the_whole_instant_ip_leaves_open(monkeypatc
 def test_default_threads_are_two_where_two_cores_are_free(monkeypatch):
     # remat plan / remat.plan name no threads: the scalable mode takes the benchmarks' two (the
     # instant IP's worker beside the search) where the process has two cores, one on a single core
-    monkeypatch.setattr(ilp_scalable.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    assert ilp_scalable.default_threads() == 2
-    monkeypatch.setattr(ilp_scalable.os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    assert ilp_scalable.default_threads() == 1
+    monkeypatch.setattr(scalable.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert scalable.default_threads() == 2
+    monkeypatch.setattr(scalable.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert scalable.default_threads() == 1
     seen = []
-    monkeypatch.setattr(ilp_scalable, "_search", lambda graph, budget, workers, **kw: seen.append(kw["threads"]))
-    monkeypatch.setattr(ilp_scalable, "default_threads", lambda: 2)
-    ilp_scalable.solve(linear_chain(4), 10**9, time_limit=1)
-    ilp_scalable.solve(linear_chain(4), 10**9, time_limit=1, threads=1)
+    class Recorded:  # (the search itself, left out)
+        def __init__(self, graph, budget, **kw):
+            seen.append(kw["threads"])
+
+        def run(self):
+            return None
+
+        def close(self):
+            pass
+    monkeypatch.setattr(scalable, "ScalableSearch", Recorded)
+    monkeypatch.setattr(scalable, "default_threads", lambda: 2)
+    scalable.solve(linear_chain(4), 10**9, time_limit=1)
+    scalable.solve(linear_chain(4), 10**9, time_limit=1, threads=1)
     assert seen == [2, 1]
 
 
@@ -559,10 +568,9 @@ def test_a_long_time_limit_goes_to_the_split_bound_not_the_whole_instant_ip(monk
     # the whole model's bound plateaus (U-Net d3 at 0.3x: 1.183 from 40 s to 540 s) while the
     # split's hard window needs the time (U-Net d3's (70, 120]: 0.153 after 790 s, 0.1688 proven
     # in 1525 s): past SPLIT_WHOLE_MAX_S the whole model stops and the split gets the rest
-    from remat.solvers import instant_ip
     g = unet(4)
     budget = parse_budget("0.6x", g)
-    assert instant_ip.split_candidates(g, budget)
+    assert windows.split_candidates(g, budget)
     limits: dict = {}
     clock = [0.0]
 
@@ -576,15 +584,15 @@ def test_a_long_time_limit_goes_to_the_split_bound_not_the_whole_instant_ip(monk
         limits["split"] = time_limit
         return None
 
-    monkeypatch.setattr(instant_ip, "solve", whole)
-    monkeypatch.setattr(instant_ip, "split_bound", split)
-    monkeypatch.setattr(ilp_scalable._time, "perf_counter", lambda: clock[0])
-    ilp_scalable.instant_step(g, budget, time_limit=1800.0, threads=1)
-    assert limits["whole"] == ilp_scalable.SPLIT_WHOLE_MAX_S
-    assert limits["split"] == pytest.approx(1800.0 - ilp_scalable.SPLIT_WHOLE_MAX_S)
-    ilp_scalable.instant_step(g, budget, time_limit=120.0, threads=1)  # two minutes: as before
-    assert limits["whole"] == pytest.approx(120.0 * (1 - ilp_scalable.SPLIT_SHARE))
-    assert limits["split"] == pytest.approx(120.0 * ilp_scalable.SPLIT_SHARE)
+    monkeypatch.setattr(instant, "solve", whole)
+    monkeypatch.setattr(windows, "split_bound", split)
+    monkeypatch.setattr(worker._time, "perf_counter", lambda: clock[0])
+    worker.instant_step(g, budget, time_limit=1800.0, threads=1)
+    assert limits["whole"] == worker.SPLIT_WHOLE_MAX_S
+    assert limits["split"] == pytest.approx(1800.0 - worker.SPLIT_WHOLE_MAX_S)
+    worker.instant_step(g, budget, time_limit=120.0, threads=1)  # two minutes: as before
+    assert limits["whole"] == pytest.approx(120.0 * (1 - worker.SPLIT_SHARE))
+    assert limits["split"] == pytest.approx(120.0 * worker.SPLIT_SHARE)
 
 
 def test_with_highs_the_split_start_is_coupled_in_the_time_the_whole_model_gives_up(monkeypatch):
@@ -592,10 +600,9 @@ def test_with_highs_the_split_start_is_coupled_in_the_time_the_whole_model_gives
     # coupling passes the split after ~40 s.  With HiGHS and COUPLE_SHARE of the limit at least
     # COUPLE_MIN_S: the split first, then the whole model, told to give up where its bound is still
     # below the split's after WHOLE_GIVE_UP_SHARE of its time, then the coupling with the rest
-    from remat.solvers import instant_ip
     g = unet(4)
     budget = parse_budget("0.6x", g)
-    assert instant_ip.split_candidates(g, budget)
+    assert windows.split_candidates(g, budget)
     limits: dict = {}
     asked: dict = {}
     clock = [0.0]
@@ -609,32 +616,32 @@ def test_with_highs_the_split_start_is_coupled_in_the_time_the_whole_model_gives
             return result() if callable(result) else result
         return run
 
-    monkeypatch.setattr(instant_ip.ilp, "highs_available", lambda: True)
-    monkeypatch.setattr(instant_ip, "solve", runs_to_its_limit("whole", {
+    monkeypatch.setattr(mip, "highs_available", lambda: True)
+    monkeypatch.setattr(instant, "solve", runs_to_its_limit("whole", {
         "bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": False, "variables": 0}))
-    monkeypatch.setattr(instant_ip, "split_bound", runs_to_its_limit("split", lambda: {
+    monkeypatch.setattr(windows, "split_bound", runs_to_its_limit("split", lambda: {
         "bound": 1000.0, "cuts": [], "windows": [], "proven": proven[0], "tails": {}}))
-    monkeypatch.setattr(instant_ip, "couple_split", runs_to_its_limit("coupled", {"bound": 2.0, "cut": 1, "end": 2}))
-    monkeypatch.setattr(ilp_scalable._time, "perf_counter", lambda: clock[0])
-    share, split_share = ilp_scalable.COUPLE_SHARE, ilp_scalable.SPLIT_COUPLED_SHARE
-    out = ilp_scalable.instant_step(g, budget, time_limit=120.0, threads=1, backend="highs")
+    monkeypatch.setattr(windows, "couple_split", runs_to_its_limit("coupled", {"bound": 2.0, "cut": 1, "end": 2}))
+    monkeypatch.setattr(worker._time, "perf_counter", lambda: clock[0])
+    share, split_share = worker.COUPLE_SHARE, worker.SPLIT_COUPLED_SHARE
+    out = worker.instant_step(g, budget, time_limit=120.0, threads=1, backend="highs")
     whole = 120.0 * (1 - share - split_share)
     assert limits == pytest.approx({"whole": whole, "split": 120.0 * split_share, "coupled": 120.0 * share})
     assert out["coupled"] == {"bound": 2.0, "cut": 1, "end": 2}
-    give_up, check = asked["whole"], ilp_scalable.WHOLE_GIVE_UP_SHARE * whole
+    give_up, check = asked["whole"], worker.WHOLE_GIVE_UP_SHARE * whole
     assert not give_up(check - 0.1, 900.0) and give_up(check + 1e-6, 900.0) and give_up(check + 1e-6, None)
     assert not give_up(check, 1000.0) and not give_up(2 * check, 1001.0)
     limits.clear()  # a long limit: the coupling at most COUPLE_MAX_S, the rest to the split
-    ilp_scalable.instant_step(g, budget, time_limit=1800.0, threads=1, backend="highs")
-    assert limits == pytest.approx({"whole": ilp_scalable.SPLIT_WHOLE_MAX_S, "coupled": ilp_scalable.COUPLE_MAX_S,
-                                    "split": 1800.0 - ilp_scalable.COUPLE_MAX_S - ilp_scalable.SPLIT_WHOLE_MAX_S})
+    worker.instant_step(g, budget, time_limit=1800.0, threads=1, backend="highs")
+    assert limits == pytest.approx({"whole": worker.SPLIT_WHOLE_MAX_S, "coupled": worker.COUPLE_MAX_S,
+                                    "split": 1800.0 - worker.COUPLE_MAX_S - worker.SPLIT_WHOLE_MAX_S})
     limits.clear()  # too short a limit for COUPLE_MIN_S, or CBC: the whole model, then the split, as before
-    for limit, backend in ((ilp_scalable.COUPLE_MIN_S / share - 1.0, "highs"), (120.0, "cbc")):
-        out = ilp_scalable.instant_step(g, budget, time_limit=limit, threads=1, backend=backend)
+    for limit, backend in ((worker.COUPLE_MIN_S / share - 1.0, "highs"), (120.0, "cbc")):
+        out = worker.instant_step(g, budget, time_limit=limit, threads=1, backend=backend)
         assert "coupled" not in limits and out["coupled"] is None and asked["whole"] is None
         assert limits["whole"] + limits["split"] == pytest.approx(limit)
     proven[0] = True  # a split that proved every window: nothing to couple
-    out = ilp_scalable.instant_step(g, budget, time_limit=120.0, threads=1, backend="highs")
+    out = worker.instant_step(g, budget, time_limit=120.0, threads=1, backend="highs")
     assert "coupled" not in limits and out["coupled"] is None and out["split"]["proven"]
 
 
@@ -642,19 +649,18 @@ def test_the_coupled_bound_reaches_the_report_where_it_passes_the_split(monkeypa
     # unet(4) at 0.6x, optimum 595: with the whole instant IP giving nothing, a split of 580 and a
     # coupling of 590 (both faked; the real ones are tested in test_instant_ip), the report's bound
     # is the coupling's, named so
-    from remat.solvers import instant_ip
     if not ilp.highs_available():
         pytest.skip("the coupling runs with HiGHS only")
     g = unet(4)
     budget = parse_budget("0.6x", g)
-    monkeypatch.setattr(instant_ip, "solve", lambda graph, b, **k: {
+    monkeypatch.setattr(instant, "solve", lambda graph, b, **k: {
         "bound": None, "schedule": None, "objective": None, "proven": False, "infeasible": False, "variables": 0})
-    monkeypatch.setattr(instant_ip, "split_bound", lambda graph, b, **k: {
+    monkeypatch.setattr(windows, "split_bound", lambda graph, b, **k: {
         "bound": 580.0, "cuts": [26], "windows": [], "proven": False, "tails": {26: 32.0, 42: 0.0}})
-    monkeypatch.setattr(instant_ip, "couple_split", lambda graph, b, split, **k: {
+    monkeypatch.setattr(windows, "couple_split", lambda graph, b, split, **k: {
         "bound": 590.0, "cut": 22, "end": 26, "rounds": 3, "converged": False})
-    monkeypatch.setattr(ilp_scalable, "COUPLE_MIN_S", 0.5)
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=10, threads=1, coarse_nodes=10, lp_max_nodes=0,
+    monkeypatch.setattr(worker, "COUPLE_MIN_S", 0.5)
+    s = scalable.solve(g, budget, swap=False, time_limit=10, threads=1, coarse_nodes=10, lp_max_nodes=0,
                            refine_max_nodes=0, full_refine_max_nodes=0)  # (no step that proves 595 itself)
     r = s.report
     assert r["lower_bound"] == pytest.approx(590.0) and "coupled at 22" in r["bound_from"]
@@ -667,15 +673,15 @@ def test_the_neighbourhood_search_has_its_own_size_limit(monkeypatch):
     # main process, but its regions fix two thirds of them: LNS_MAX_VARS lets the search run there
     # (0.32x: 1.3018 -> 1.2741).  Here the same on 12 residual blocks at 0.4x (179 from the search)
     pytest.importorskip("highspy")
-    monkeypatch.setattr(instant_ip, "add_path_rows", lambda *a, **k: {"rows": 0, "separated": 0, "rounds": 0, "lp": None})
+    monkeypatch.setattr(paths, "add_path_rows", lambda *a, **k: {"rows": 0, "separated": 0, "rounds": 0, "lp": None})
     g = residual_blocks(12, 0)
     budget = parse_budget("0.4x", g)
-    monkeypatch.setattr(ilp_scalable, "INSTANT_MAX_VARS", 0)
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=25, threads=1)
+    monkeypatch.setattr(scalable, "INSTANT_MAX_VARS", 0)
+    s = scalable.solve(g, budget, swap=False, time_limit=25, threads=1)
     assert "instant_ip" not in s.report and s.report["neighbourhoods"] >= 1
     assert fits(g, s, budget).time <= 179.0 + 1e-9
-    monkeypatch.setattr(ilp_scalable, "LNS_MAX_VARS", 0)
-    s = ilp_scalable.solve(g, budget, swap=False, time_limit=10, threads=1)
+    monkeypatch.setattr(scalable, "LNS_MAX_VARS", 0)
+    s = scalable.solve(g, budget, swap=False, time_limit=10, threads=1)
     assert "neighbourhoods" not in s.report and "instant_ip" not in s.report
 
 
@@ -683,14 +689,13 @@ def test_the_worker_hands_over_the_whole_models_bound_before_its_later_steps(mon
     # random_layered(150) at 0.95x: the worker's whole model proves 1229 at ~90 s, then spends 80 s
     # on rebuild-moment rounds for its own plan, while the main process found a 1229 plan at 63 s:
     # the bound goes out at once (`interim`), and the main process takes it between its steps
-    from remat.solvers import instant_ip
     g = unet(4)
     budget = parse_budget("0.6x", g)
     early: list = []
-    out = ilp_scalable.instant_step(g, budget, time_limit=30.0, threads=1, interim=early.append)
+    out = worker.instant_step(g, budget, time_limit=30.0, threads=1, interim=early.append)
     assert len(early) == 1 and early[0]["bound"] == pytest.approx(595.0) == out["bound"]
     assert early[0]["schedule"] is None and early[0]["split"] is None and early[0]["coupled"] is None
-    w = ilp_scalable.InstantWorker(g, budget, 30.0, threads=1)
+    w = scalable.InstantWorker(g, budget, 30.0, threads=1)
     try:
         import pickle
         with open(w._result + ".interim", "wb") as fh:  # (as the worker writes it)

@@ -9,7 +9,8 @@ from remat.generators import linear_chain, random_layered, unet
 from remat.core.graph import Graph, Node
 from remat.core.schedule import Schedule, Stage, stages_from_ops
 from remat.core.errors import InfeasibleBudgetError
-from remat.solvers import get, ilp, instant_ip, stage_order
+from remat.solvers import get, ilp, stage_order
+from remat.solvers.ilp import instant
 
 
 def two_chains() -> tuple[Graph, Schedule]:
@@ -66,7 +67,7 @@ def test_reordering_keeps_time_and_counts_and_never_raises_a_peak(g, ratio):
     # the plain instant IP's plans ignore memory inside a stage; whatever reorder returns runs
     # the same computes as often, and its peak is at most the id order's
     budget = parse_budget(ratio, g)
-    out = instant_ip.solve(g, budget, time_limit=20, threads=1)
+    out = instant.solve(g, budget, time_limit=20, threads=1)
     staged = out["schedule"]
     plain = simulate(g, staged)
     ordered, over = stage_order.reorder(g, staged, budget)
@@ -81,7 +82,7 @@ def test_reordering_keeps_time_and_counts_and_never_raises_a_peak(g, ratio):
 
 def test_time_windows_cover_the_instants_and_a_window_search_frees_only_its_instants():
     g = unet(5)
-    windows = instant_ip.time_windows(g, 3)
+    windows = instant.time_windows(g, 3)
     parts = windows[:3]
     assert parts[0][0] == -1 and parts[-1][1] == g.n - 1
     assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # the three runs partition the instants
@@ -90,7 +91,7 @@ def test_time_windows_cover_the_instants_and_a_window_search_frees_only_its_inst
     budget = parse_budget("0.6x", g)
     start = ilp.best_baseline(g, budget)
     a, b = windows[1]
-    out = instant_ip.solve(g, budget, start=start, instants=(a, b), time_limit=20, threads=1)
+    out = instant.solve(g, budget, start=start, instants=(a, b), time_limit=20, threads=1)
     assert out["bound"] is None and out["objective"] <= simulate(g, start).time + 1e-9
 
     def outside(s):
@@ -116,7 +117,7 @@ def test_rebuild_moments_on_demand_reach_the_exact_optimum_with_a_proof():
     moments: dict[int, bool] = {}
     seen = []
     for _ in range(6):
-        out = instant_ip.solve(g, budget, time_limit=30, threads=1, backend="highs", moments=dict(moments) or None)
+        out = instant.solve(g, budget, time_limit=30, threads=1, backend="highs", moments=dict(moments) or None)
         ordered, over = stage_order.reorder(g, out["schedule"], budget)
         seen.append(round(out["bound"]))
         if not over:
@@ -127,20 +128,20 @@ def test_rebuild_moments_on_demand_reach_the_exact_optimum_with_a_proof():
     assert out["proven"] and res.valid and res.peak_bytes <= budget and res.time == pytest.approx(159.0)
     # a start that fits only in another order violates the rows where it rebuilds: they are
     # raised to its level, so that it stays a solution
-    m = instant_ip.build(g, budget, moments={27: True})
-    instant_ip.set_warm_start(g, m, instant_ip.solve(g, budget, time_limit=30, threads=1, backend="highs")["schedule"])
+    m = instant.build(g, budget, moments={27: True})
+    instant.set_warm_start(g, m, instant.solve(g, budget, time_limit=30, threads=1, backend="highs")["schedule"])
     assert m.prob.constraints["interval_27"].value() > 0
-    assert instant_ip.loosen_unmet_moments(m) == [27] and m.prob.constraints["interval_27"].value() <= 0
+    assert instant.loosen_unmet_moments(m) == [27] and m.prob.constraints["interval_27"].value() <= 0
 
 
 def test_recompute_time_by_window_adds_up_to_the_schedules_recomputation():
-    from remat.solvers.ilp_scalable import _recompute_in
+    from remat.core.analysis import recompute_in as _recompute_in
     g = unet(5)
     budget = parse_budget("0.6x", g)
     sched = ilp.best_baseline(g, budget)
     extra = simulate(g, sched).compute_time - g.total_time
     assert extra > 0
-    parts = instant_ip.time_windows(g, 3)[:3]
+    parts = instant.time_windows(g, 3)[:3]
     assert sum(_recompute_in(g, sched, w) for w in parts) == pytest.approx(extra)
     # the rebuilds before a node's first compute belong to the interval that ends at it
     first = next(t for t in range(g.n) if _recompute_in(g, sched, (t - 1, t)) > 0)

@@ -1,0 +1,164 @@
+r"""Lower bounds on the step time that need no instant IP: the moment knapsack and the window IP.
+
+Both hold for every schedule whose backward nodes run once (the ILP's default model).  The
+instants are those of `remat.core.analysis` (node t computed for the first time).
+
+Moment knapsack (`knapsack_bound`, recompute only).  At instant t every value v < t that a node
+after t reads is either resident or computed again later (cost C_v each; without swap there is
+no third way, and a backward value or the loss cannot be recomputed, so it must be resident).
+Resident bytes at that instant are at most cap_t = B - fixed - forced_t (`forced_loads`: t's
+output, workspace, forward inputs P_t and the gradients alive across t), so the recomputation
+still to come costs at least
+
+    min { sum_{v in N_t \ K} C_v : P_t subset of K, sum_{v in K} M_v <= cap_t },
+
+which the fractional knapsack bounds from below.  Every schedule pays it, so total_time + max_t
+of it is a lower bound.  When even the forced residents do not fit, no schedule exists (None).
+
+Window IP (`window_bound`, with or without swap).  Cut each forward value's life at its program
+uses; a value absent at any instant strictly inside such a window is brought back before the
+window's use, and the windows of one value are disjoint, so each window with an absence costs
+the value's compute time once (or, with swap, a copy from the host).  One binary per (value,
+use), one row per instant; proof in `window_bound`'s docstring.  It dominates the knapsack (one
+instant's row, solved fractionally) and is integral where the LP is not; it ignores that a
+recomputation needs its own inputs.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pulp
+
+from remat.core.analysis import forced_loads
+from remat.core.errors import SolverError
+from remat.core.graph import Graph
+
+from . import mip
+from .checkmate import time_unit
+
+WINDOW_IP_S = 10.0  # CBC's limit on the window IP (it solves in well under a second on the zoo graphs)
+
+
+def knapsack_bound(graph: Graph, budget_bytes: int) -> float | None:
+    """Lower bound on the recompute-only time (module docstring), or None when some instant
+    cannot hold what it must (the budget is infeasible)."""
+    n = graph.n
+    cap0 = budget_bytes - graph.fixed_bytes
+    last_use = [max(s, default=-1) for s in graph.succs]
+    C = graph.times
+    M = graph.sizes
+    # t's output, workspace and inputs, and the gradients and loss still to be read (never
+    # recomputed) must be resident
+    forced = forced_loads(graph)
+    best_extra = 0.0
+    for t in range(n):
+        need = set(graph.preds[t])
+        cap = cap0 - forced[t]
+        items = [(C[v], M[v]) for v in range(t)
+                 if v not in need and last_use[v] > t and graph.nodes[v].kind == "forward"]
+        if cap < 0:
+            return None
+        total = sum(c for c, _ in items)
+        # fractional knapsack: keep the most time per byte
+        kept = 0.0
+        room = float(cap)
+        for c, m in sorted(items, key=lambda cm: -(cm[0] / cm[1]) if cm[1] > 0 else -math.inf):
+            if m <= room:
+                kept += c
+                room -= m
+            else:
+                kept += c * room / m
+                break
+        best_extra = max(best_extra, total - kept)
+    return graph.total_time + best_extra
+
+
+def window_bound(graph: Graph, budget_bytes: int, time_limit: float | None = WINDOW_IP_S,
+                 threads: int | None = None, *, swap: bool = False, bandwidth: float | None = None) -> float | None:
+    """Lower bound on the step time (backward values never recomputed nor swapped, as in the ILP's
+    default model) from the *window IP*, an integer program over every instant at once; None
+    when CBC gives no bound.
+
+    The instants are those of the knapsack bound (node t computed for the first time; a
+    frontier-advancing schedule, staged or an op list in program order, runs first computes in
+    id order).  Cut each forward value v's life at its program uses u_1 < u_2 < ...: window
+    (v, u_j) is the instants strictly between u_{j-1} (or v) and u_j.  At u_{j-1} and u_j
+    themselves v is an input, hence resident.  If v is absent at some instant of a window, it is
+    brought back between that instant and u_j, i.e. inside the window's span, by a computation
+    or (with swap) a copy from the host; spans of one value are disjoint, so these events are
+    distinct.  With z[v,u] = 1 iff v is absent somewhere in window (v, u), at every instant t the
+    values whose window covers t with z = 0 are resident all through it, so
+        sum_{(v,u) covers t} M_v (1 - z[v,u]) <= B - fixed - M_t - W_t - M(inputs of t)
+                                                   - M(loss/backward values alive across t).
+    Recompute only: every schedule pays at least sum C_v z[v,u] on top of one pass, so the
+    minimum over binary z under these rows is a lower bound.  With swap, z = zr + zs (brought
+    back by a computation or by a host copy): the compute stream still runs one pass plus
+    sum C_v zr, and the one transfer stream carries M_v / bandwidth for every host copy brought
+    back and for at least one copy out (o_v >= zs[v,u]); the step lasts at least the longer of
+    the two, so min T with T >= each is the bound.  Forward values that cost no time are left out
+    (free to drop).  CBC's bound is used, so a time-limited run stays valid.
+
+    It dominates the knapsack bound (one instant's row, solved fractionally); it ignores that a
+    recomputation needs its own inputs (on a unit chain it stops where the knapsack does)."""
+    n = graph.n
+    cap0 = budget_bytes - graph.fixed_bytes
+    C, M = graph.times, graph.sizes
+    cu = time_unit(graph)
+    bw = float(bandwidth if bandwidth is not None else graph.bandwidth)
+    unit = math.gcd(*[m for m in M if m > 0]) or 1
+    succs = [sorted(set(s)) for s in graph.succs]
+    # t's output, workspace and inputs, and the gradients and loss alive across t
+    fixed = forced_loads(graph)
+    cover: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for v in range(n):
+        if M[v] <= 0 or graph.nodes[v].kind != "forward" or C[v] <= 0:
+            continue  # holds nothing, is in `fixed`, or can be dropped and rebuilt for free
+        prev = v
+        for u in succs[v]:
+            for t in range(prev + 1, u):
+                cover[t].append((v, u))
+            prev = u
+    if any(f > cap0 for f in fixed):
+        return None
+    prob = pulp.LpProblem("remat_window", pulp.LpMinimize)
+    zr: dict = {}
+    zs: dict = {}
+    out_once: dict = {}
+    for t in range(n):
+        load = sum(M[v] for v, _ in cover[t])
+        if load + fixed[t] <= cap0:
+            continue
+        for key in cover[t]:
+            if key not in zr:
+                zr[key] = pulp.LpVariable(f"zr_{key[0]}_{key[1]}", 0, 1, pulp.LpBinary)
+                if swap:
+                    zs[key] = pulp.LpVariable(f"zs_{key[0]}_{key[1]}", 0, 1, pulp.LpBinary)
+                    if key[0] not in out_once:
+                        out_once[key[0]] = pulp.LpVariable(f"o_{key[0]}", 0, 1, pulp.LpBinary)
+                    prob.addConstraint(zs[key] <= out_once[key[0]], f"out_before_in_{key[0]}_{key[1]}")
+                    prob.addConstraint(zr[key] + zs[key] <= 1, f"one_way_back_{key[0]}_{key[1]}")
+        prob.addConstraint(pulp.lpSum((M[v] // unit) * (zr[v, u] + zs.get((v, u), 0)) for v, u in cover[t])
+                           >= (load + fixed[t] - cap0) / unit, f"instant_{t}")
+    if not zr:
+        return graph.total_time
+    base = graph.total_time / cu
+    recompute = pulp.lpSum((C[v] / cu) * x for (v, _), x in zr.items())
+    if swap:
+        T = pulp.LpVariable("T", 0)
+        prob += T
+        prob.addConstraint(T >= base + recompute, "compute_stream")
+        prob.addConstraint(T >= pulp.lpSum((M[v] / bw / cu) * x for (v, _), x in zs.items())
+                           + pulp.lpSum((M[v] / bw / cu) * x for v, x in out_once.items()), "transfer_stream")
+    else:
+        prob += base + recompute
+    try:
+        out = mip.run(SimpleNamespace(prob=prob, time_unit=1.0), "cbc", time_limit, 0.0, threads, False, False)
+    except SolverError:
+        return None
+    if out["bound"] is None or out["infeasible"]:
+        return None
+    return max(graph.total_time, out["bound"] * cu)
+
+
+__all__ = ["knapsack_bound", "window_bound", "WINDOW_IP_S"]
