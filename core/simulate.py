@@ -74,11 +74,10 @@ class SimState:
 
     Starts empty, or, for a replay of a fragment, with `resident` values on the device and
     `live_bytes` activation bytes (default: the resident values' bytes; a fragment may count
-    only what it adds above its caller's).  `apply(op)` performs one op and returns the rule it
-    violates (a message; the state is then undefined) or None; `compute`, `free`, `swap_out`,
-    `swap_in` and `wait` are the same for a replay that knows its ops are valid (a violation
-    raises `ValueError`).  With ``check=False`` no rule is checked (a replay whose program is
-    valid by construction; it is simulated as a whole afterwards).
+    only what it adds above its caller's).  `apply(op)`, or `compute(i)`, `free(i)`, `swap_out(i)`,
+    `swap_in(i)`, `wait(i)`, performs one op and returns the rule it violates (a message; the
+    state is then undefined) or None.  With ``check=False`` no rule is checked (a replay whose
+    program is valid by construction and is simulated as a whole afterwards), which is faster.
 
     What it tells: ``origin`` (resident node -> one of `ORIGINS`), ``on_host``, ``live`` (activation
     bytes resident now), ``during`` (activation bytes while the last op ran: for a compute its
@@ -133,38 +132,74 @@ class SimState:
         return self.live + v.bytes + v.workspace_bytes
 
     # ---- ops -------------------------------------------------------------------------
+    # Each op returns the rule it violates (a message), or None; `check=False` skips the rules.
     def apply(self, op: Op) -> str | None:
         i = op.node
-        if not 0 <= i < self.graph.n:
+        if not 0 <= i < len(self._nodes):
             return f"node {i} is not in the graph"
-        handler = {"compute": self._compute, "free": self._free, "swap_out": self._swap_out,
-                   "swap_in": self._swap_in, "wait": self._wait}.get(op.op)
-        if handler is None:
-            return f"unknown op {op.op!r}"
-        return handler(i)
-
-    def compute(self, i: int) -> None:
-        self._ok(self._compute(i))
-
-    def free(self, i: int) -> None:
-        self._ok(self._free(i))
-
-    def swap_out(self, i: int) -> None:
-        self._ok(self._swap_out(i))
-
-    def swap_in(self, i: int) -> None:
-        self._ok(self._swap_in(i))
-
-    def wait(self, i: int) -> None:
-        self._ok(self._wait(i))
-
-    @staticmethod
-    def _ok(message: str | None) -> None:
-        if message is not None:
-            raise ValueError(message)
+        kind = op.op
+        if kind == "compute":
+            return self.compute(i)
+        if kind == "free":
+            return self.free(i)
+        if kind == "swap_out":
+            return self.swap_out(i)
+        if kind == "swap_in":
+            return self.swap_in(i)
+        if kind == "wait":
+            return self.wait(i)
+        return f"unknown op {kind!r}"
 
     def _name(self, i: int) -> str:
         return f"{i} ({self._nodes[i].name})"
+
+    def compute(self, i: int) -> str | None:
+        preds, origin = self._preds[i], self.origin
+        if self.check:
+            for u in preds:
+                if u not in origin:
+                    where = "it is on the host (swap it in first)" if u in self.on_host else "it is not resident"
+                    return f"input {self._name(u)} of node {self._name(i)} is needed but {where}"
+            if i in origin:
+                return f"node {self._name(i)} is computed while its output is already resident"
+        clock = self.clock
+        pending = self.swap_in_end
+        if pending:
+            for u in preds:
+                if u in pending:
+                    end = pending.pop(u)
+                    if end > clock:
+                        clock = end
+        v = self._nodes[i]
+        during = self.live + v.bytes + v.workspace_bytes
+        count = self.counts.get(i, 0)
+        how = "recomputed" if count else "computed"
+        self.live += v.bytes
+        self.bytes_by_origin[how] += v.bytes
+        origin[i] = how
+        self.last_start = clock
+        self.clock = self.last_end = clock + v.time
+        self.compute_time += v.time
+        self.counts[i] = count + 1
+        self.during = during
+        if during > self.peak:
+            self.peak = during
+        return None
+
+    def free(self, i: int) -> str | None:
+        if self.check:
+            if i not in self.origin:
+                return f"free of node {self._name(i)}, which is not resident"
+            if self.xfer_end.get(i, 0.0) > self.clock:
+                return f"free of node {self._name(i)} while its transfer is in flight (insert 'wait {i}' first)"
+        self.during = self.live  # (never above the peak)
+        nbytes = self._nodes[i].bytes
+        self.live -= nbytes
+        self.bytes_by_origin[self.origin.pop(i, "computed")] -= nbytes
+        if self.swap_in_end:
+            self.swap_in_end.pop(i, None)
+        self.last_start = self.last_end = self.clock
+        return None
 
     def _issue_transfer(self, i: int) -> None:
         """Queue i's copy on the transfer stream."""
@@ -175,58 +210,7 @@ class SimState:
         self.xfer_end[i] = self.xclock
         self.last_start, self.last_end = start, self.xclock
 
-    def _done(self, during: int) -> None:
-        self.during = during
-        if during > self.peak:
-            self.peak = during
-        if self.host > self.host_peak:
-            self.host_peak = self.host
-
-    def _compute(self, i: int) -> str | None:
-        preds = self._preds[i]
-        if self.check:
-            for u in preds:
-                if u not in self.origin:
-                    where = "it is on the host (swap it in first)" if u in self.on_host else "it is not resident"
-                    return f"input {self._name(u)} of node {self._name(i)} is needed but {where}"
-            if i in self.origin:
-                return f"node {self._name(i)} is computed while its output is already resident"
-        if self.swap_in_end:
-            for u in preds:
-                if u in self.swap_in_end:
-                    self.clock = max(self.clock, self.swap_in_end.pop(u))
-        v = self._nodes[i]
-        start = self.clock
-        during = self.live + v.bytes + v.workspace_bytes
-        count = self.counts.get(i, 0)
-        how = "recomputed" if count else "computed"
-        self.live += v.bytes
-        self.bytes_by_origin[how] += v.bytes
-        self.origin[i] = how
-        self.clock += v.time
-        self.compute_time += v.time
-        self.counts[i] = count + 1
-        self.last_start, self.last_end = start, self.clock
-        self._done(during)
-        return None
-
-    def _free(self, i: int) -> str | None:
-        if self.check:
-            if i not in self.origin:
-                return f"free of node {self._name(i)}, which is not resident"
-            if self.xfer_end.get(i, 0.0) > self.clock:
-                return f"free of node {self._name(i)} while its transfer is in flight (insert 'wait {i}' first)"
-        during = self.live
-        nbytes = self._nodes[i].bytes
-        self.live -= nbytes
-        how = self.origin.pop(i, "computed")
-        self.bytes_by_origin[how] -= nbytes
-        self.swap_in_end.pop(i, None)
-        self.last_start = self.last_end = self.clock
-        self._done(during)
-        return None
-
-    def _swap_out(self, i: int) -> str | None:
+    def swap_out(self, i: int) -> str | None:
         if self.check:
             if i not in self.origin:
                 return f"swap_out of node {self._name(i)}, which is not resident"
@@ -236,10 +220,12 @@ class SimState:
         if i not in self.on_host:
             self.on_host.add(i)
             self.host += self._nodes[i].bytes
-        self._done(self.live)
+            if self.host > self.host_peak:
+                self.host_peak = self.host
+        self.during = self.live
         return None
 
-    def _swap_in(self, i: int) -> str | None:
+    def swap_in(self, i: int) -> str | None:
         if self.check:
             if i not in self.on_host:
                 return f"swap_in of node {self._name(i)}, which has no host copy (swap it out first)"
@@ -251,18 +237,21 @@ class SimState:
         self.live += nbytes
         self.bytes_by_origin["swapped in"] += nbytes
         self.origin[i] = "swapped in"
-        self._done(self.live)
+        self.during = self.live
+        if self.live > self.peak:
+            self.peak = self.live
         return None
 
-    def _wait(self, i: int) -> str | None:
+    def wait(self, i: int) -> str | None:
         if self.check and i not in self.xfer_end:
             return f"wait on node {self._name(i)}, which has no transfer"
         self.last_start = self.clock
-        if i in self.xfer_end:
-            self.clock = max(self.clock, self.xfer_end[i])
+        end = self.xfer_end.get(i)
+        if end is not None and end > self.clock:
+            self.clock = end
         self.swap_in_end.pop(i, None)
         self.last_end = self.clock
-        self._done(self.live)
+        self.during = self.live
         return None
 
 

@@ -18,7 +18,8 @@ touches pyplot's global state (no ``plt.show()``, no ``matplotlib.use``): save i
 is the per-op category replay that `plot_memory` draws; `read_sweep_csv` reads the CSV of
 ``remat sweep``.
 
-Memory categories come from the op list alone, replayed in order:
+Memory categories are how each resident copy got there, as the simulator's state records it
+(`remat.core.simulate.SimState`):
 
 =================  ==========================================================================
 ``fixed``          the graph's ``fixed_bytes`` (parameters, gradients, inputs, optimizer state)
@@ -54,7 +55,7 @@ from .budget import format_bytes
 from remat.core.errors import InvalidInputError
 from remat.core.graph import Graph
 from remat.core.schedule import Schedule
-from remat.core.simulate import simulate
+from remat.core.simulate import SimState, simulate
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -183,62 +184,53 @@ class MemoryBreakdown:
 
 
 def memory_breakdown(graph: Graph, schedule: "Schedule | list", bandwidth: float | None = None) -> MemoryBreakdown:
-    """Replay `schedule` and split the device bytes at every op into `CATEGORIES`.
+    """Replay `schedule` in the simulator (`SimState`) and split the device bytes at every op into
+    `CATEGORIES` (how each resident copy got there: `SimState.bytes_by_origin`).
 
-    Times, host bytes and validity come from `remat.simulate` (``timeline=True``); an invalid
-    schedule raises `InvalidInputError` naming the simulator's violation.
+    An invalid schedule raises `InvalidInputError` naming the simulator's violation.
     """
     ops = schedule.ops if isinstance(schedule, Schedule) else list(schedule)
-    res = simulate(graph, ops, bandwidth, timeline=True)
+    res = simulate(graph, ops, bandwidth)
     if not res.valid:
         raise InvalidInputError(f"viz: the schedule is invalid for this graph: {res.violation}")
-    nodes = graph.nodes
+    state = SimState(graph, bandwidth)
     K = len(ops)
     during = {c: np.zeros(K, dtype=np.int64) for c in CATEGORIES}
     after = {c: np.zeros(K, dtype=np.int64) for c in CATEGORIES}
-    issue = np.zeros(K)
+    host = np.zeros(K, dtype=np.int64)
+    issue, start, end = np.zeros(K), np.zeros(K), np.zeros(K)
     first = np.zeros(K, dtype=bool)
-    resident: dict[int, str] = {}          # node -> category of its device copy
-    totals = {c: 0 for c in CATEGORIES}
-    totals["fixed"] = graph.fixed_bytes
-    computed: set[int] = set()
     recomputed: set[int] = set()
-    clock = 0.0
-    for k, (op, row) in enumerate(zip(ops, res.timeline)):
-        i = op.node
-        issue[k] = row["start"] if op.op == "compute" else clock
-        ws = 0
+    category = {"computed": "kept", "recomputed": "recomputed", "swapped in": "swapped in"}
+    fixed = graph.fixed_bytes
+    for k, op in enumerate(ops):
+        issued = state.clock  # the compute stream's clock when the op is issued
+        before = dict(state.bytes_by_origin)
+        state.apply(op)
+        now = state.bytes_by_origin
+        seen = before if op.op == "free" else now  # a free's bytes go after it
+        for origin, c in category.items():
+            during[c][k] = seen[origin]
+            after[c][k] = now[origin]
+        during["fixed"][k] = after["fixed"][k] = fixed
         if op.op == "compute":
-            cat = "recomputed" if i in computed else "kept"
-            first[k] = i not in computed
-            if i in computed:
-                recomputed.add(i)
-            computed.add(i)
-            resident[i] = cat
-            totals[cat] += nodes[i].bytes
-            ws = nodes[i].workspace_bytes
-        elif op.op == "swap_in":
-            resident[i] = "swapped in"
-            totals["swapped in"] += nodes[i].bytes
-        for c in CATEGORIES:
-            during[c][k] = totals[c]
-        during["workspace"][k] = ws
-        if op.op == "free":
-            totals[resident.pop(i)] -= nodes[i].bytes
-        for c in CATEGORIES:
-            after[c][k] = totals[c]
-        if op.op in ("compute", "free", "wait"):
-            clock = row["end"]
+            during["workspace"][k] = graph.nodes[op.node].workspace_bytes
+            first[k] = state.counts[op.node] == 1
+            if not first[k]:
+                recomputed.add(op.node)
+            issue[k] = state.last_start
+        else:
+            issue[k] = issued
+        host[k] = state.host
+        start[k], end[k] = state.last_start, state.last_end
         # the categories are a split of the simulator's figure, never a second opinion
-        if sum(int(during[c][k]) for c in CATEGORIES) != row["device_bytes"] or \
-                sum(int(after[c][k]) for c in CATEGORIES) != row["after_bytes"]:
+        if sum(int(during[c][k]) for c in CATEGORIES) != state.during + fixed or \
+                sum(int(after[c][k]) for c in CATEGORIES) != state.live + fixed:
             raise AssertionError(f"viz: category replay disagrees with the simulator at op {k} ({op})")
     dev = sum(during[c] for c in CATEGORIES) if K else np.zeros(0)
     peak_op = int(np.argmax(dev)) if K else 0
-    tl = res.timeline
     return MemoryBreakdown(
-        ops=ops, during=during, after=after, host=np.array([r["host_bytes"] for r in tl], dtype=np.int64),
-        issue=issue, start=np.array([r["start"] for r in tl]), end=np.array([r["end"] for r in tl]),
+        ops=ops, during=during, after=after, host=host, issue=issue, start=start, end=end,
         first_compute=first, total_time=res.time, peak_bytes=res.peak_bytes, peak_op=peak_op,
         host_peak_bytes=res.host_peak_bytes, recomputed_nodes=recomputed)
 

@@ -54,13 +54,12 @@ can use how soon t is needed again, as Belady's MIN does for pages.  With no pro
 `lookahead_search` (the registered ``lookahead`` solver) replays a small grid of (numerator,
 alpha), then the best of them with its scores perturbed at random (seeded), and keeps the
 fastest schedule: each replay takes milliseconds to a few tenths of a second on 200-node
-graphs.  Measured on the zoo graphs (module granularity) against the best DTR heuristic:
-ResNet-50 at 0.3x 1.333 -> 1.279, U-Net (depth 3) at 0.3x 1.629 -> 1.341 (see README).
+graphs (its figures against DTR's heuristics: docs/results.md).
 
-Memory follows the simulator exactly (outputs allocated at compute, workspace only while the
-node runs, released at ``free``), and the budget is a hard cap checked before every compute,
-so the replay's own peak equals ``simulate(...).peak_bytes`` and never exceeds the budget (the
-prototype checked after each op, a soft cap).  Nothing here imports torch.
+Memory and the clock are the simulator's own (`remat.core.simulate.SimState`, op by op: outputs
+allocated at compute, workspace only while the node runs, released at ``free``), and the budget
+is a hard cap checked before every compute, so the replay's own peak equals
+``simulate(...).peak_bytes`` and never exceeds the budget.  Nothing here imports torch.
 """
 from __future__ import annotations
 
@@ -72,6 +71,7 @@ from typing import Callable
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.core.graph import Graph
 from remat.core.schedule import Op, Schedule
+from remat.core.simulate import SimState
 
 from .registry import register
 
@@ -86,8 +86,9 @@ class _Failure(Exception):
     """Raised inside the replay; `solve` turns it into InfeasibleBudgetError."""
 
 
-class Replay:
-    """One DTR run of `graph` under `budget_bytes` with one heuristic.  `run()` fills `ops`."""
+class DTRRuntime:
+    """One DTR run of `graph` under `budget_bytes` with one heuristic.  `run()` fills `ops`; memory and
+    the compute clock are the simulator's (`SimState`), op by op."""
 
     def __init__(self, graph: Graph, budget_bytes: int, heuristic: str = "dtr", thrash_factor: float = 2.0,
                  alpha: float = 1.0, numerator: str = "ancestors", noise: float = 0.0, seed: int = 0):
@@ -107,17 +108,15 @@ class Replay:
         for v in graph.nodes:
             remat_ok[v.id] = v.kind == "forward" and all(remat_ok[u] for u in self.preds[v.id])
         self.remat_ok = remat_ok
-        # replay state
-        self.material = [False] * n
+        # replay state: what is resident, the bytes and the compute clock (sum of the times of all
+        # computes) are the simulator's
+        self.state = SimState(graph, check=False)  # (its ops are valid by construction)
         self.computed = [False] * n          # computed at least once (has a lineage)
         self.remaining = [len(s) for s in self.succs]  # program uses not yet run
         self.needed = [True] * n             # may still be read, directly or to rebuild a descendant
         self.lock = [0] * n
         self.last_access = [0.0] * n
         self.evicted: set[int] = set()       # not resident, computed, still needed
-        self.live = 0                        # activation bytes resident
-        self.peak = graph.fixed_bytes
-        self.clock = 0.0                     # compute clock (sum of the times of all computes)
         self.ops: list[Op] = []
         self.stage = -1
         self.stats = {"computes": 0, "rematerializations": 0, "evictions": 0, "eager_evictions": 0,
@@ -144,6 +143,27 @@ class Replay:
         self._components: dict[int, int] | None = None  # e* cache, dropped whenever `evicted` changes
         self._component_cost: list[float] = []
 
+    @property
+    def clock(self) -> float:
+        return self.state.clock
+
+    @property
+    def peak(self) -> int:
+        """Whole-step peak bytes so far (fixed bytes included)."""
+        return self.g.fixed_bytes + self.state.peak
+
+    def material(self, t: int) -> bool:
+        return t in self.state.origin
+
+    def emit(self, op: Op) -> None:
+        self.ops.append(op)
+        self._ok(self.state.apply(op))
+
+    @staticmethod
+    def _ok(message: str | None) -> None:
+        if message is not None:  # a bug in the replay, never the user's problem
+            raise AssertionError(f"dtr: the replay broke a rule of the simulator: {message}")
+
     # ---- the program ---------------------------------------------------------------------
     def run(self) -> list[Op]:
         old = sys.getrecursionlimit()
@@ -163,25 +183,21 @@ class Replay:
         ins = self.preds[v]
         for u in ins:
             self.last_access[u] = self.clock
-        resident = [u for u in ins if self.material[u]]
+        resident = [u for u in ins if self.material(u)]
         for u in resident:
             self.lock[u] += 1
         for u in ins:
             if u in resident:
                 continue
-            if not self.material[u]:  # (it may have come back while rebuilding an earlier input)
+            if not self.material(u):  # (it may have come back while rebuilding an earlier input)
                 assert self.computed[u] and self.remat_ok[u], f"node {u} is missing and cannot be rebuilt"
                 self._perform(u, remat=True)
             self.lock[u] += 1
         need = self.size[v] + self.ws[v]
         fixed = self.g.fixed_bytes
-        while fixed + self.live + need > self.budget:
+        while fixed + self.state.compute_peak(v) > self.budget:
             self._evict_one(v, need)
-        self.ops.append(Op("compute", v, self.stage))
-        self.peak = max(self.peak, fixed + self.live + need)
-        self.live += self.size[v]
-        self.clock += self.cost[v]
-        self.material[v] = True
+        self.emit(Op("compute", v, self.stage))
         self.last_access[v] = self.clock
         self.stats["computes"] += 1
         if remat:
@@ -201,7 +217,7 @@ class Replay:
         for u in dead:
             self._update_needed(u)
         for u in dead:
-            if self.material[u] and self.remaining[u] == 0 and self.lock[u] == 0:
+            if self.material(u) and self.remaining[u] == 0 and self.lock[u] == 0:
                 self._free(u, eager=True)
 
     def _dead_candidates(self) -> list[int]:
@@ -214,7 +230,7 @@ class Replay:
             if o.op == "compute":
                 cand.add(o.node)
                 cand.update(self.preds[o.node])
-        return sorted(u for u in cand if self.material[u] and self.remaining[u] == 0)
+        return sorted(u for u in cand if self.material(u) and self.remaining[u] == 0)
 
     def _update_needed(self, u: int) -> None:
         stack = [u]
@@ -235,16 +251,17 @@ class Replay:
     # ---- eviction ------------------------------------------------------------------------
     def _evict_one(self, v: int, need: int) -> None:
         best, best_key = -1, (INF, INF)
+        resident = self.state.origin
         for t in range(self.g.n):
-            if self.material[t] and self.lock[t] == 0 and self.remat_ok[t] and self.size[t] > 0:
+            if t in resident and self.lock[t] == 0 and self.remat_ok[t] and self.size[t] > 0:
                 key = (self._score(t), t)
                 if best < 0 or key < best_key:
                     best, best_key = t, key
         if best < 0:
-            held = sorted(t for t in range(self.g.n) if self.material[t])
+            held = sorted(self.state.origin)
             raise _Failure(
                 f"out of memory: nothing evictable at node {v} ({self.g.nodes[v].name}) of program op "
-                f"{self.stage}: it needs {need} bytes with {self.live} activation bytes resident and "
+                f"{self.stage}: it needs {need} bytes with {self.state.live} activation bytes resident and "
                 f"{self.g.fixed_bytes} fixed, over the budget of {self.budget}; resident and pinned "
                 f"(locked inputs, loss/backward outputs still in use): {held[:12]}"
                 + ("..." if len(held) > 12 else ""))
@@ -252,9 +269,7 @@ class Replay:
         self._free(best, eager=False)
 
     def _free(self, t: int, eager: bool) -> None:
-        self.ops.append(Op("free", t, self.stage))
-        self.material[t] = False
-        self.live -= self.size[t]
+        self.emit(Op("free", t, self.stage))
         if self.remat_ok[t] and self.needed[t]:
             self.evicted.add(t)
             self._components = None
@@ -410,7 +425,7 @@ def solve(graph: Graph, budget_bytes: int, heuristic: str = "dtr", thrash_factor
     """
     if thrash_factor <= 0:
         raise InvalidInputError(f"thrash_factor: must be > 0, got {thrash_factor!r}")
-    rp = Replay(graph, budget_bytes, heuristic, thrash_factor, alpha=alpha, numerator=numerator, noise=noise,
+    rp = DTRRuntime(graph, budget_bytes, heuristic, thrash_factor, alpha=alpha, numerator=numerator, noise=noise,
                 seed=seed)
     try:
         ops = rp.run()

@@ -55,6 +55,7 @@ from remat.core.analysis import checkmate_layout, cut_points
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.core.graph import Graph
 from remat.core.schedule import Op, Schedule
+from remat.core.simulate import SimState
 
 from .registry import register
 from .baselines import checked
@@ -115,27 +116,42 @@ def chain_of_blocks(graph: Graph, max_blocks: int = MAX_BLOCKS) -> Chain:
     return Chain(m, out, fwd, bwd, cross)
 
 
-class Replay:
-    """A local replay: resident set, bytes above the caller's, peak and time; emits ops."""
+class Program:
+    """A fragment of a schedule built op by op (`compute`, `free`): its ops, and its memory and time
+    from the simulator's state (`SimState`) started with `resident` values whose bytes the caller
+    counts (`cur`: bytes above the caller's when the fragment starts)."""
 
     def __init__(self, graph: Graph, resident, cur: int = 0):
-        self.graph, self.res, self.cur, self.peak, self.time, self.ops = graph, set(resident), cur, cur, 0.0, []
+        self.state = SimState(graph, resident=resident, live_bytes=cur, check=False)  # (valid by construction)
+        self.ops: list[Op] = []
+
+    @property
+    def res(self):
+        """The resident values (a set-like view)."""
+        return self.state.origin.keys()
+
+    @property
+    def cur(self) -> int:
+        return self.state.live
+
+    @property
+    def peak(self) -> int:
+        return self.state.peak
+
+    @property
+    def time(self) -> float:
+        return self.state.clock
 
     def compute(self, v: int) -> None:
-        node = self.graph.nodes[v]
-        self.peak = max(self.peak, self.cur + node.bytes + node.workspace_bytes)
-        self.cur += node.bytes
-        self.res.add(v)
-        self.time += node.time
         self.ops.append(Op("compute", v))
+        self.state.compute(v)
 
     def free(self, v: int) -> None:
-        self.cur -= self.graph.nodes[v].bytes
-        self.res.discard(v)
         self.ops.append(Op("free", v))
+        self.state.free(v)
 
 
-def _free_after_forward(graph: Graph, run: list[int], keep: set[int], rp: Replay, i: int, own: set[int]) -> None:
+def _free_after_forward(graph: Graph, run: list[int], keep: set[int], rp: Program, i: int, own: set[int]) -> None:
     """After run[i]: free its inputs and itself (members of `own`, not in `keep`) that no later
     node of `run` reads."""
     v = run[i]
@@ -144,7 +160,7 @@ def _free_after_forward(graph: Graph, run: list[int], keep: set[int], rp: Replay
             rp.free(u)
 
 
-def forward_keeping(ch: Chain, graph: Graph, rp: Replay, b: int, keep, skip_out: bool = False) -> None:
+def forward_keeping(ch: Chain, graph: Graph, rp: Program, b: int, keep, skip_out: bool = False) -> None:
     """Forward of block b keeping `keep` and a_b (a_b already resident when `skip_out`)."""
     run = [v for v in ch.fwd[b] if not (skip_out and v == ch.out[b])]
     own, kept = set(ch.fwd[b]), set(keep) | {ch.out[b]}
@@ -153,7 +169,7 @@ def forward_keeping(ch: Chain, graph: Graph, rp: Replay, b: int, keep, skip_out:
         _free_after_forward(graph, run, kept, rp, i, own)
 
 
-def forward_through(ch: Chain, graph: Graph, rp: Replay, s: int, e: int) -> None:
+def forward_through(ch: Chain, graph: Graph, rp: Program, s: int, e: int) -> None:
     """No-keep forward of blocks s..e: a_e resident at the end, a_{s-1} untouched."""
     for b in range(s, e + 1):
         need = _ancestors(graph, set(ch.fwd[b]), ch.out[b])
@@ -174,7 +190,7 @@ def _ancestors(graph: Graph, within: set[int], v: int) -> set[int]:
     return seen
 
 
-def backward(ch: Chain, graph: Graph, rp: Replay, b: int) -> None:
+def backward(ch: Chain, graph: Graph, rp: Program, b: int) -> None:
     """Backward of block b from what is resident; missing forward inputs are recomputed."""
     F, B = set(ch.fwd[b]), ch.bwd[b]
     stay = {ch.out[b - 1]} | set(ch.cross[b - 1])
@@ -239,7 +255,7 @@ def plan(graph: Graph, cap_bytes: int, slots: int = SLOTS, max_blocks: int = MAX
         for h in ((0, 1) if b < L else (0,)):
             opts = {}
             for keep in items:
-                rp = Replay(graph, held | ({a[b]} if h else set()))
+                rp = Program(graph, held | ({a[b]} if h else set()))
                 forward_keeping(ch, graph, rp, b, keep, skip_out=bool(h))
                 backward(ch, graph, rp, b)
                 key = up(rp.peak)
@@ -249,16 +265,16 @@ def plan(graph: Graph, cap_bytes: int, slots: int = SLOTS, max_blocks: int = MAX
         if b < L:
             lst = []
             for keep in items:
-                rf = Replay(graph, {a[b - 1]})
+                rf = Program(graph, {a[b - 1]})
                 forward_keeping(ch, graph, rf, b, keep)
-                rb = Replay(graph, {a[b - 1], a[b]} | set(ch.cross[b]) | set(keep), cur=rf.cur + dbytes[b])
+                rb = Program(graph, {a[b - 1], a[b]} | set(ch.cross[b]) | set(keep), cur=rf.cur + dbytes[b])
                 backward(ch, graph, rb, b)
                 lst.append((up(rf.peak), up(rf.cur), rb.peak, rf.time + rb.time, keep))
             store[b] = lst
     through = {}
     for s in range(1, L + 1):
         for e in range(s, L):
-            rp = Replay(graph, {a[s - 1]})
+            rp = Program(graph, {a[s - 1]})
             forward_through(ch, graph, rp, s, e)
             through[s, e] = (up(rp.peak), rp.time)
 
@@ -308,7 +324,7 @@ def plan(graph: Graph, cap_bytes: int, slots: int = SLOTS, max_blocks: int = MAX
     if not np.isfinite(top[K - 1]):
         return None, math.inf, smallest, L
 
-    rp = Replay(graph, set())
+    rp = Program(graph, set())
 
     def emit(s: int, t: int, h: int, k: int) -> None:
         labels, arg = why[s, t, h]

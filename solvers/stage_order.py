@@ -37,27 +37,22 @@ from typing import Iterator, Sequence
 
 from remat.core.graph import Graph
 from remat.core.schedule import Op, Schedule, ops_from_stages
+from remat.core.simulate import SimState
 
 TRIES = 200  # random orders per stage that peaks above the budget in id order
 
 
 def stage_peak(graph: Graph, order: Sequence[int], resident: set[int], kept_after: set[int]) -> int:
-    """Peak activation bytes of running `order` from `resident` (frees by the contract's rule)."""
-    M = graph.sizes
+    """Peak activation bytes of running `order` from `resident` (frees by the contract's rule),
+    as the simulator counts them (`SimState`)."""
     last = _last_readers(graph, order)
-    res = set(resident)
-    cur = sum(M[v] for v in res)
-    peak = cur
+    state = SimState(graph, resident=resident, check=False)
     for k in order:
-        if k not in res:
-            res.add(k)
-            cur += M[k]
-        peak = max(peak, cur + graph.nodes[k].workspace_bytes)
+        state.compute(k)
         for i in set(graph.preds[k]):
-            if last[i] == k and i not in kept_after and i in res:
-                res.discard(i)
-                cur -= M[i]
-    return peak
+            if last[i] == k and i not in kept_after and i in state.origin:
+                state.free(i)
+    return state.peak
 
 
 def _last_readers(graph: Graph, order: Sequence[int]) -> dict[int, int]:
@@ -203,7 +198,6 @@ class _NoFit(Exception):
 def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: float, ahead: bool,
                   stop: float | None, deadline: float | None) -> list[Op] | None:
     M, C = graph.sizes, graph.times
-    W = [v.workspace_bytes for v in graph.nodes]
     forward = [v.kind == "forward" for v in graph.nodes]
     preds = [sorted(set(p)) for p in graph.preds]
     cap = budget_bytes - graph.fixed_bytes
@@ -223,11 +217,14 @@ def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: flo
         else:
             now.discard(op.node)
     limit = c + EVICT_EXTRA * graph.total_time if stop is None else min(stop, c + EVICT_EXTRA * graph.total_time)
-    res: set[int] = set()
+    # the replay's memory and compute time, as the simulator counts them (its ops are valid by
+    # construction; the caller simulates the result)
+    sim = SimState(graph, check=False)
+    res = sim.origin.keys()
     gone: set[int] = set()  # freed by the replay while the plan still holds them
     locks = [0] * graph.n
     out: list[Op] = []
-    state = {"cur": 0, "spent": 0.0, "idx": 0, "stage": -1}
+    state = {"idx": 0, "stage": -1}
 
     def score(v: int) -> float:
         later = reads.get(v, [])
@@ -245,11 +242,10 @@ def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: flo
 
     def drop(v: int) -> None:
         out.append(Op("free", v, state["stage"]))
-        res.discard(v)
-        state["cur"] -= M[v]
+        sim.free(v)
 
     def make_room(k: int) -> None:
-        while state["cur"] + M[k] + W[k] > cap:
+        while sim.compute_peak(k) > cap:
             pool = [v for v in res if forward[v] and not locks[v] and M[v] > 0]
             if not pool or deadline is not None and _time.perf_counter() > deadline:
                 raise _NoFit
@@ -260,11 +256,9 @@ def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: flo
     def run(k: int) -> None:
         make_room(k)
         out.append(Op("compute", k, state["stage"]))
-        res.add(k)
+        sim.compute(k)
         gone.discard(k)
-        state["cur"] += M[k]
-        state["spent"] += C[k]
-        if state["spent"] > limit:
+        if sim.clock > limit:
             raise _NoFit
 
     def run_reading(k: int) -> list[int]:

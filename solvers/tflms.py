@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.core.graph import Graph
 from remat.core.schedule import Op, Schedule
-from remat.core.simulate import SimResult, simulate
+from remat.core.simulate import SimResult, SimState, simulate
 
 from .registry import register
 
@@ -112,10 +112,10 @@ def plan_swaps(graph: Graph, threshold: int, ahead: int, groupby: int = 0, n_ten
 
 
 def build_ops(graph: Graph, swaps: list[_Swap], sync_out: bool = False, bandwidth: float | None = None) -> list[Op]:
-    """The op list for a swap plan; device-copy releases are placed with the simulator's clocks."""
+    """The op list for a swap plan; device-copy releases are placed with the simulator's clocks
+    (`SimState`, advanced op by op as the list is built)."""
     n = graph.n
-    bw = float(bandwidth if bandwidth is not None else graph.bandwidth)
-    nodes, preds = graph.nodes, [sorted(set(p)) for p in graph.preds]
+    preds = [sorted(set(p)) for p in graph.preds]
     remaining = [len(set(s)) for s in graph.succs]
     by_src = {s.src: s for s in swaps}
     triggers: dict[int, list[int]] = {}
@@ -124,64 +124,53 @@ def build_ops(graph: Graph, swaps: list[_Swap], sync_out: bool = False, bandwidt
         for trig, last in s.groups:
             triggers.setdefault(trig, []).append(s.src)
             group_ends.setdefault(s.src, set()).add(last)
-    state: dict[int, str] = {}            # swapped tensor: device | pending | host | back | kept
-    xfer_end: dict[int, float] = {}
-    in_flight: dict[int, float] = {}      # swap-ins not yet consumed
-    clock = xclock = 0.0
+    copy: dict[int, str] = {}             # swapped tensor: device | pending | host | back | kept
+    sim = SimState(graph, bandwidth, check=False)  # (the trial simulates the whole list)
     ops: list[Op] = []
 
-    def transfer(i: int) -> None:
-        nonlocal xclock
-        xclock = max(clock, xclock) + nodes[i].bytes / bw
-        xfer_end[i] = xclock
+    def emit(op: Op) -> None:
+        ops.append(op)
+        message = sim.apply(op)
+        if message is not None:  # a bug here, never the user's problem
+            raise AssertionError(f"tflms produced an invalid schedule: {message}")
 
     def release(i: int, k: int) -> None:
-        nonlocal clock
-        if i in xfer_end:
-            ops.append(Op("wait", i, k))
-            clock = max(clock, xfer_end[i])
-            in_flight.pop(i, None)
-        ops.append(Op("free", i, k))
+        if i in sim.xfer_end:
+            emit(Op("wait", i, k))
+        emit(Op("free", i, k))
 
     for k in range(n):
-        for i in sorted(i for i, st in state.items() if st == "pending"):
-            if xfer_end[i] <= clock:
+        for i in sorted(i for i, st in copy.items() if st == "pending"):
+            if sim.xfer_end[i] <= sim.clock:
                 release(i, k)
-                state[i] = "host"
+                copy[i] = "host"
         for i in sorted(triggers.get(k, [])):
-            if state[i] == "host":
-                ops.append(Op("swap_in", i, k))
-                transfer(i)
-                in_flight[i] = xfer_end[i]
-                state[i] = "back"
+            if copy[i] == "host":
+                emit(Op("swap_in", i, k))
+                copy[i] = "back"
             else:  # the swap-out has not finished: keep the device copy
-                state[i] = "kept"
-        for u in preds[k]:
-            if u in in_flight:
-                clock = max(clock, in_flight.pop(u))
-        ops.append(Op("compute", k, k))
-        clock += nodes[k].time
+                copy[i] = "kept"
+        emit(Op("compute", k, k))  # (it waits for its inputs' swap-ins still in flight)
         if k in by_src:
-            state[k] = "device"
-            ops.append(Op("swap_out", k, k))
-            transfer(k)
+            copy[k] = "device"
+            emit(Op("swap_out", k, k))
         for u in preds[k]:
             remaining[u] -= 1
         for u in sorted(set(preds[k]) | {k}):
-            if u in by_src and state[u] == "device" and by_src[u].last_near == k:
+            if u in by_src and copy[u] == "device" and by_src[u].last_near == k:
                 if sync_out:
                     release(u, k)
-                    state[u] = "host"
+                    copy[u] = "host"
                 else:
-                    state[u] = "pending"
+                    copy[u] = "pending"
             elif remaining[u] == 0:
-                assert state.get(u, "kept") in ("back", "kept"), (u, state.get(u))
+                assert copy.get(u, "kept") in ("back", "kept"), (u, copy.get(u))
                 release(u, k)
-                state.pop(u, None)
+                copy.pop(u, None)
             elif u in by_src and k in group_ends[u]:  # more groups follow: back to the host copy
-                assert state[u] in ("back", "kept"), (u, state[u])
+                assert copy[u] in ("back", "kept"), (u, copy[u])
                 release(u, k)
-                state[u] = "host"
+                copy[u] = "host"
     return ops
 
 

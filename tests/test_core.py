@@ -7,6 +7,7 @@ import pytest
 
 from remat import Graph, InvalidInputError, Node, Op, Schedule, Stage, simulate
 from remat.generators import linear_chain, random_layered, unet
+from remat.budget import parse_budget
 from remat.core.schedule import solve_r_opt
 
 
@@ -147,6 +148,46 @@ def test_violations_are_reported(ops, needle):
     r = simulate(tiny(), ops)
     assert not r.valid
     assert needle in str(r.violation)
+
+
+def test_sim_state_one_op_at_a_time_is_the_simulator():
+    # every replay that builds a schedule step by step (DTR, rotor, TFLMS, stage_order, viz) uses
+    # SimState: op by op it says what simulate's timeline says, swaps included
+    from remat.core.errors import InfeasibleBudgetError
+    from remat.core.simulate import SimState
+    from remat.solvers import get
+    swaps = 0
+    for g in (linear_chain(8), unet(3), random_layered(15, seed=1)):
+        for solver, budget in (("checkpoint-all", None), ("lookahead", "0.6x"), ("tflms", "0.8x"), ("tflms", "0.6x")):
+            try:
+                sched = get(solver)(g, parse_budget(budget, g)) if budget else get(solver)(g)
+            except InfeasibleBudgetError:
+                continue
+            swaps += any(op.op == "swap_out" for op in sched.ops)
+            res = simulate(g, sched, timeline=True)
+            state = SimState(g)
+            for op, row in zip(sched.ops, res.timeline):
+                assert state.apply(op) is None
+                assert (state.during + g.fixed_bytes, state.live + g.fixed_bytes, state.host) == \
+                    (row["device_bytes"], row["after_bytes"], row["host_bytes"])
+                assert (state.last_start, state.last_end) == (row["start"], row["end"])
+                assert sum(state.bytes_by_origin.values()) == state.live
+            assert state.peak + g.fixed_bytes == res.peak_bytes
+            assert max(state.clock, state.xclock) == res.time and state.host_peak == res.host_peak_bytes
+    assert swaps >= 2
+
+
+def test_sim_state_of_a_fragment_counts_what_it_adds_above_its_start():
+    from remat.core.simulate import SimState
+    g = tiny()
+    # a resident (counted by the caller: live 0), b runs beside it: b 3 + workspace 5
+    state = SimState(g, resident=[0], live_bytes=0)
+    assert state.compute(1) is None and state.peak == 8 and state.live == 3
+    assert state.free(0) is None and state.live == 1  # (a's bytes were the caller's)
+    # counting the resident values themselves (the default), and a rule broken
+    state = SimState(g, resident=[0])
+    assert state.live == 2 and state.compute_peak(1) == 10
+    assert "already resident" in state.compute(0)
 
 
 def test_gradient_never_produced_is_named():

@@ -116,6 +116,7 @@ from remat.core.analysis import checkmate_layout, cut_points, forced_loads, hori
 from remat.core.errors import SolverError
 from remat.core.graph import Graph
 from remat.core.schedule import Schedule, Stage
+from remat.core.simulate import SimState
 from remat.solvers import stage_order
 
 from . import mip, paths
@@ -331,30 +332,24 @@ def set_warm_start(graph: Graph, m: InstantModel, schedule: Schedule) -> bool:
     for d in (m.P, m.N, m.SI, m.O):
         for x in d.values():
             x.setInitialValue(0, check=False)  # (an input of its instant has lower bound 1)
-    resident: set[int] = set()
-    seen: set[int] = set()
+    state = SimState(graph, check=False)  # what is resident before each op, as the simulator has it
     t = 0  # the next first compute
     for op in schedule.ops:
         v = op.node
         if op.op == "compute":
-            if v not in seen:
+            if v not in state.counts:
                 if v != t:
                     return False
-                for u in resident:
+                for u in state.origin:
                     if (t, u) in m.P:
                         m.P[t, u].setInitialValue(1)
-                seen.add(v)
                 t += 1
             elif (t, v) in m.N:
                 m.N[t, v].setInitialValue(1)
-            resident.add(v)
-        elif op.op == "free":
-            resident.discard(v)
-        elif op.op == "swap_in":
-            resident.add(v)
-            if (t, v) in m.SI:
-                m.SI[t, v].setInitialValue(1)
-                m.O[v].setInitialValue(1)
+        elif op.op == "swap_in" and (t, v) in m.SI:
+            m.SI[t, v].setInitialValue(1)
+            m.O[v].setInitialValue(1)
+        state.apply(op)
     on = lambda d, k: k in d and d[k].varValue is not None and d[k].varValue > 0.5  # noqa: E731
     for (i, v), h in m.H.items():  # resident at both instants, neither rebuilt nor brought back
         h.setInitialValue(int(on(m.P, (i, v)) and on(m.P, (i - 1, v)) and not on(m.N, (i, v))
