@@ -26,7 +26,7 @@ import torch
 import remat
 from remat.budget import format_bytes
 from remat.frontends import trace, zoo
-from remat.frontends.measure import plain_step_peaks
+from remat.frontends import plain_step_peaks
 from remat.solvers import get
 
 MEDIUM = {

@@ -10,7 +10,7 @@ Nodes (`JointProgram.groups`; graph node i = group i):
 * one node per fx op that allocates a new storage ("head"), found by running the graph once
   on real tensors under `StorageTracker`; ops that allocate nothing (views, ``getitem``,
   ``detach``, ``_unsafe_view``...) are merged into the node that owns the storage they alias,
-  so bytes belong to storages (DESIGN.md) and a view never keeps a base alive on its own;
+  so bytes belong to storages (docs/design.md) and a view never keeps a base alive on its own;
   views of parameters, buffers and inputs are *static* (no node: evaluated once per step).
   A non-allocating op that reads values of two nodes becomes a node of its own (0 bytes; a
   warning is logged: the simulator cannot see that it holds its base's storage);
@@ -27,7 +27,7 @@ Nodes (`JointProgram.groups`; graph node i = group i):
   ``workspace_bytes``: the rest of its peak while it runs (on the CPU: storages the op
   returns but nobody keeps; allocations inside a kernel are invisible, as to `measure_peak`);
 * parameter gradients are fixed bytes (``fixed_bytes``: parameters + gradients + buffers +
-  inputs, `trace.fixed_bytes`), as with module granularity: the node producing one is a
+  inputs, `base.fixed_bytes`), as with module granularity: the node producing one is a
   backward node whose value is accumulated into ``param.grad`` at once and then dropped, so
   it counts as that node's *workspace*, not its bytes (unless another node also reads it);
 * buffer mutations (BatchNorm running statistics, ``num_batches_tracked``) are extra outputs
@@ -54,8 +54,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -66,8 +65,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.core.errors import InvalidInputError
 from remat.core.graph import Graph, Node
 
+from .base import Frontend, TraceContext, prepare, trace_with
 from .capture import CaptureError, quiet_torch_logs
-from .measure import AllocatorWindow, LibraryWorkspaces, StorageTracker, on_autograd_thread
+from .measure import AllocatorWindow, StorageTracker, on_autograd_thread
 from .profile import FlopsModel, Timer, is_random
 
 log = logging.getLogger(__name__)
@@ -332,11 +332,11 @@ def discover_groups(cap: JointCapture, const: dict) -> tuple[list, list, list]:
         for n in nodes:
             if n.op != "call_function":
                 continue
-            before = tracker._next_uid
+            before = tracker.next_uid
             get = env.__getitem__
             out = n.target(*fx.node.map_arg(n.args, get), **fx.node.map_arg(n.kwargs, get))
             env[n] = out
-            new = range(before, tracker._next_uid)
+            new = range(before, tracker.next_uid)
             ins = {group_of[i] for i in n.all_input_nodes} - {STATIC}
             if len(new):
                 g = len(groups)
@@ -479,92 +479,96 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
     return profs
 
 
-# ---- trace ------------------------------------------------------------------------------------------
+# ---- the frontend -------------------------------------------------------------------------------------
+class JointFrontend(Frontend):
+    """``granularity="joint"``: one node per allocating op of the joint forward+backward graph
+    (module docstring)."""
+    granularity = "joint"
+    min_warmup = 0
+    need_grad = True
+
+    def capture(self, ctx: TraceContext) -> None:
+        ctx.state["cap"] = capture_joint(ctx.model, ctx.args, ctx.kwargs, ctx.loss_fn)
+
+    def cut(self, ctx: TraceContext) -> None:
+        cap = ctx.state["cap"]
+        flat = [t for t in tree_flatten((ctx.args, ctx.kwargs))[0] if isinstance(t, torch.Tensor)]
+        with self.reported(ctx):
+            const = ctx.state["const"] = placeholder_values(cap, ctx.model, flat)
+            groups, static, kinds = discover_groups(cap, const)
+            prog = ctx.state["program"] = build_program(cap, groups, static, kinds)
+            prog.run_static(const)
+
+    def profile(self, ctx: TraceContext) -> None:
+        with self.reported(ctx):
+            ctx.state["profiles"] = profile_program(ctx.state["program"], ctx.state["const"], ctx.flops,
+                                                    ctx.measure_time, ctx.device, ctx.warmup, ctx.repeats)
+
+    @staticmethod
+    @contextmanager
+    def reported(ctx: TraceContext):
+        """A failure while running the joint graph is a `CaptureError` that says where."""
+        try:
+            yield
+        except (InvalidInputError, CaptureError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CaptureError(f"running the joint graph of {ctx.name} failed: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}") from e
+
+    def assemble(self, ctx: TraceContext) -> tuple[list[Node], list[tuple[int, int]], dict]:
+        cap, prog, profs = ctx.state["cap"], ctx.state["program"], ctx.state["profiles"]
+        nodes = []
+        for g, (members, kind, p) in enumerate(zip(prog.groups, prog.kinds, profs)):
+            head = members[0]
+            t = ctx.flops_model.time(p.flops, p.alloc_bytes) if ctx.flops else p.time
+            extra: dict = {"ops": [n.name for n in members],
+                           "op": str(getattr(head.target, "__name__", head.target))}
+            if ctx.flops:
+                extra["flops"] = p.flops
+            if prog.random[g]:
+                extra["random"] = True
+            grads = [fqn for _, k, fqn in prog.sinks[g] if k == "grad"]
+            bufs = [fqn for _, k, fqn in prog.sinks[g] if k == "buffer"]
+            if grads:
+                extra["param_grads"] = grads
+            if bufs:
+                extra["mutates"] = bufs
+            node_name = "loss" if kind == "loss" else head.name
+            nodes.append(Node(g, node_name, kind, float(t), int(p.bytes), int(p.workspace), extra))
+        edges = [(p, g) for g, ps in enumerate(prog.preds) for p in ps]
+        fx_ops = sum(1 for n in cap.gm.graph.nodes if n.op == "call_function")
+        log.info("joint graph of %s: %d fx ops -> %d nodes (%d forward, %d backward)", ctx.name, fx_ops, len(nodes),
+                 prog.kinds.count("forward"), prog.kinds.count("backward"))
+        return nodes, edges, {
+            "depth": None,
+            "capture": CAPTURE_METHOD,
+            "backward_edges": "saved",
+            "capture_notes": [],
+            "rng_nodes": [g for g in range(len(nodes)) if prog.random[g]],
+            "buffer_mutations": {nodes[g].name: [f for _, k, f in prog.sinks[g] if k == "buffer"]
+                                 for g in range(len(nodes)) if any(k == "buffer" for _, k, _ in prog.sinks[g])},
+            "joint": {"static": [n.name for n in prog.static], "loss": cap.loss.name,
+                      "seed": prog.seed.name if prog.seed is not None else None, "fx_ops": fx_ops},
+        }
+
+
 def trace_joint(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None = None, profile: str = "flops",
                 device: "str | torch.device | None" = None, repeats: int | None = None, *, warmup: int = 1,
                 example_kwargs: dict | None = None, optimizer: str | None = None, name: str | None = None,
                 flops_model: FlopsModel | None = None) -> Graph:
     """Trace and profile one training step of `model` as a joint forward+backward op graph.
 
-    Arguments as `remat.trace` (which calls this for ``granularity="joint"``); `profile` is
-    ``"flops"`` (deterministic, the default here) or ``"measure"``.  Returns a `Graph` whose
-    nodes are described in the module docstring.  Raises `InvalidInputError` for bad input and
-    `CaptureError` when aot_export_module cannot capture the model (the message says why).
+    Arguments as `remat.trace` (``granularity="joint"``); `profile` is ``"flops"`` (deterministic,
+    the default here) or ``"measure"``.  Returns a `Graph` whose nodes are described in the module
+    docstring.  Raises `InvalidInputError` for bad input and `CaptureError` when aot_export_module
+    cannot capture the model (the message says why).
     """
-    from .trace import fixed_bytes, prepare_trace, step_meta
-    t_start = time.perf_counter()
-    if profile not in ("measure", "flops"):
-        raise InvalidInputError(f"profile: expected 'measure' or 'flops', got {profile!r}")
-    args, kwargs, dev, repeats, loss, model_name, fm = prepare_trace(
-        model, example_inputs, example_kwargs, loss_fn, device, repeats, warmup, optimizer, name, flops_model,
-        min_warmup=0, need_grad=True)
-    flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-
-    t0 = time.perf_counter()
-    cap = capture_joint(model, args, kwargs, loss)
-    t_capture = time.perf_counter() - t0
-    snapshot = [(b, b.detach().clone()) for b in model.buffers()]
-    t0 = time.perf_counter()
-    try:
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            const = placeholder_values(cap, model, flat)
-            groups, static, kinds = discover_groups(cap, const)
-            prog = build_program(cap, groups, static, kinds)
-            prog.run_static(const)
-            with LibraryWorkspaces(dev) as libs:
-                profs = profile_program(prog, const, profile == "flops", profile == "measure", dev, warmup, repeats)
-    except (InvalidInputError, CaptureError):
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise CaptureError(f"running the joint graph of {model_name} failed: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
-    finally:
-        with torch.no_grad():
-            for b, saved in snapshot:
-                b.copy_(saved)
-    t_profile = time.perf_counter() - t0
-    fixed, breakdown = fixed_bytes(model, args, kwargs, optimizer, runtime=libs.bytes if dev.type == "cuda" else None)
-    nodes = []
-    for g, (members, kind, p) in enumerate(zip(prog.groups, prog.kinds, profs)):
-        head = members[0]
-        t = fm.time(p.flops, p.alloc_bytes) if profile == "flops" else p.time
-        extra: dict = {"ops": [n.name for n in members],
-                       "op": str(getattr(head.target, "__name__", head.target))}
-        if profile == "flops":
-            extra["flops"] = p.flops
-        if prog.random[g]:
-            extra["random"] = True
-        grads = [fqn for _, k, fqn in prog.sinks[g] if k == "grad"]
-        bufs = [fqn for _, k, fqn in prog.sinks[g] if k == "buffer"]
-        if grads:
-            extra["param_grads"] = grads
-        if bufs:
-            extra["mutates"] = bufs
-        node_name = "loss" if kind == "loss" else head.name
-        nodes.append(Node(g, node_name, kind, float(t), int(p.bytes), int(p.workspace), extra))
-    edges = [(p, g) for g, ps in enumerate(prog.preds) for p in ps]
-    meta = {
-        **step_meta(model, args, kwargs, dev, model_name, profile, repeats, warmup, fm, loss, optimizer, breakdown),
-        "granularity": "joint",
-        "depth": None,
-        "capture": CAPTURE_METHOD,
-        "backward_edges": "saved",
-        "capture_notes": [],
-        "rng_nodes": [g for g in range(len(nodes)) if prog.random[g]],
-        "buffer_mutations": {nodes[g].name: [f for _, k, f in prog.sinks[g] if k == "buffer"]
-                             for g in range(len(nodes)) if any(k == "buffer" for _, k, _ in prog.sinks[g])},
-        "joint": {"static": [n.name for n in prog.static], "loss": cap.loss.name,
-                  "seed": prog.seed.name if prog.seed is not None else None,
-                  "fx_ops": sum(1 for n in cap.gm.graph.nodes if n.op == "call_function")},
-    }
-    graph = Graph(nodes, edges, fixed, meta)
-    total = time.perf_counter() - t_start
-    graph.meta["trace_seconds"] = {"capture": round(t_capture, 4), "profile": round(t_profile, 4),
-                                   "total": round(total, 4)}
-    log.info("traced %s (joint): %d fx ops -> %d nodes (%d forward, %d backward), fixed %d bytes, %.2f s",
-             model_name, graph.meta["joint"]["fx_ops"], graph.n, kinds.count("forward"), kinds.count("backward"),
-             fixed, total)
-    return graph
+    frontend = JointFrontend()
+    ctx = prepare(frontend, model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, profile=profile,
+                  device=device, repeats=repeats, warmup=warmup, optimizer=optimizer, name=name,
+                  flops_model=flops_model)
+    return trace_with(frontend, ctx)
 
 
 def program_from_graph(cap: JointCapture, graph: Graph) -> JointProgram:
@@ -587,5 +591,5 @@ def program_from_graph(cap: JointCapture, graph: Graph) -> JointProgram:
     return build_program(cap, groups, static, [v.kind for v in graph.nodes])
 
 
-__all__ = ["trace_joint", "capture_joint", "JointCapture", "JointProgram", "build_program", "discover_groups",
+__all__ = ["JointFrontend", "trace_joint", "capture_joint", "JointCapture", "JointProgram", "build_program", "discover_groups",
            "profile_program", "program_from_graph", "placeholder_values", "CAPTURE_METHOD"]

@@ -51,7 +51,7 @@ from remat.core.errors import InvalidInputError
 from remat.core.plan import Plan
 
 from .joint import STATIC, JointProgram, capture_joint, placeholder_values, program_from_graph
-from .executor import PlannedBase, RunBase
+from .runtime import PlannedBase, RunBase
 from .transfer import StorageSet, Transfers
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class PlannedJointStep(PlannedBase):
                  example_kwargs: dict | None = None):
         if plan.graph.meta.get("granularity") != "joint":
             raise InvalidInputError("remat.apply: the plan's graph is not a joint graph (granularity "
-                                    f"{plan.graph.meta.get('granularity')!r}); use remat.frontends.executor.apply")
+                                    f"{plan.graph.meta.get('granularity')!r}); use remat.apply")
         super().__init__(model, plan, example_inputs, loss_fn, example_kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:

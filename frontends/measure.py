@@ -99,6 +99,11 @@ class StorageTracker(TorchDispatchMode):
         """Position in the event list (for `peak_between`)."""
         return len(self.events)
 
+    @property
+    def next_uid(self) -> int:
+        """The uid the next storage seen will get: uids from it on are the storages allocated since."""
+        return self._next_uid
+
     def uid(self, t: torch.Tensor) -> int | None:
         """uid of a live tracked tensor's storage (None if not tracked)."""
         entry = self.live.get(storage_key(t))
@@ -338,25 +343,3 @@ def measure(step_fn: Callable[[], Any], device: "str | torch.device | None" = No
         box.append(time.perf_counter() - t0)
     peak = measure_peak(timed, resident=resident, device=dev if dev.type == "cuda" else None)
     return Measurement(int(peak), box[0], str(dev))
-
-
-def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | None = None) -> tuple[int, int]:
-    """Peak bytes of one plain training step (forward, loss, backward) of `model` on `inputs`:
-    (with the gradients kept from a previous step, as `zero_grad(set_to_none=False)` leaves
-    them; with them freed, PyTorch's default `set_to_none=True`).  The model's state is
-    restored afterwards; its gradients are left as None."""
-    if loss_fn is None:
-        from .trace import default_loss as loss_fn
-
-    def step() -> None:
-        loss_fn(model(*inputs), *inputs).backward()
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    resident = list(model.parameters()) + list(model.buffers()) + list(inputs)
-    step()
-    model.zero_grad(set_to_none=False)
-    kept = measure_peak(step, resident=resident + [p.grad for p in model.parameters()])
-    model.zero_grad(set_to_none=True)
-    freed = measure_peak(step, resident=resident)
-    model.zero_grad(set_to_none=True)
-    model.load_state_dict(state)
-    return kept, freed

@@ -24,9 +24,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.core.errors import InvalidInputError
 from remat.core.plan import Plan
 
-from .executor import apply
+from .apply import apply
 from .measure import Measurement, measure
-from .trace import _split_inputs, default_loss
+from .base import default_loss, split_inputs
 
 
 __all__ = ["run_plan", "RunReport", "random_batch"]
@@ -98,7 +98,7 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
         raise InvalidInputError("--device cuda: no CUDA device is available here; use --device cpu")
     model.to(dev)
     model.train()
-    args, kwargs = _split_inputs(example_inputs, None)
+    args, kwargs = split_inputs(example_inputs, None)
     if kwargs:
         raise InvalidInputError("remat run: keyword example inputs are not supported; pass positional inputs")
     loss_fn = loss_fn or default_loss

@@ -1,6 +1,6 @@
 """The ``remat`` command line: plan, trace, run, simulate, sweep, solvers, generate, show.
 
-Exit codes (DESIGN.md, promise 4): 0 ok; 1 runtime failure (`RematError` with exit_code 1, e.g.
+Exit codes (docs/design.md, "Clear failure"): 0 ok; 1 runtime failure (`RematError` with exit_code 1, e.g.
 an infeasible budget, or a plan that does not fit its budget); 2 bad input (`InvalidInputError`,
 bad arguments).  Errors are one line, ``remat: error: ...``, on stderr; ``--debug`` shows the
 traceback instead.  The command's results go to stdout; diagnostics go through `logging`
@@ -49,7 +49,8 @@ def _fmt_overhead(x: float | None) -> str:
 
 
 # ---- plan ----------------------------------------------------------------------------
-def _solver_options(args: argparse.Namespace) -> dict:
+def solver_options(args: argparse.Namespace) -> dict:
+    """The solver options of `remat plan`, `sweep` and `run` from their arguments."""
     opts: dict[str, Any] = {"swap": not args.no_swap, "time_limit": args.time_limit, "gap": args.gap}
     if args.threads is not None:
         opts["threads"] = args.threads
@@ -65,7 +66,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     graph = _graph_or_model(args.graph, progress=not args.no_progress)
     base = baseline_peak(graph)
     log.info("planning %s (%d nodes) at budget %s with solver %s", args.graph, graph.n, args.budget, args.solver)
-    opts = _solver_options(args)
+    opts = solver_options(args)
     if args.solver == "ilp" and not args.no_progress:
         opts["progress"] = _ilp_progress_printer()
     p = plan(graph, args.budget, args.solver, **opts)
@@ -154,7 +155,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             registry.get(name)
         except InvalidInputError as e:
             raise InvalidInputError(str(e).replace("--solver:", "--solvers:", 1)) from None
-    opts = _solver_options(args)
+    opts = solver_options(args)
     if args.plot:
         _check_figure_path(args.plot, "--plot")  # before the solves, not after them
     rows = []
@@ -249,7 +250,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # ---- trace ---------------------------------------------------------------------------
 def cmd_trace(args: argparse.Namespace) -> int:
-    from remat.frontends.cli import run_trace  # imports torch
+    from .model_commands import run_trace  # imports torch
     _write(args.output, lambda p: None)  # check the folder before spending time on tracing
     return run_trace(args)
 
@@ -261,8 +262,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InvalidInputError("remat run: give --plan or --budget, not both")
     if args.output:
         _write(args.output, lambda p: None)
-    from remat.frontends.cli import run_run  # imports torch
-    return run_run(args)
+    from .model_commands import run_run  # imports torch
+    return run_run(args, solver_options(args))
 
 
 def _graph_or_model(text: str, progress: bool = True):
@@ -271,7 +272,7 @@ def _graph_or_model(text: str, progress: bool = True):
     from remat.core.graph import Graph
     if text.endswith(".json") or Path(text).is_file():
         return Graph.load(text)
-    from remat.frontends.cli import trace_model  # imports torch
+    from .model_commands import trace_model  # imports torch
     log.info("tracing %s with the default options of `remat trace`", text)
     return trace_model(text, progress=progress)
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 
 import remat  # noqa: E402
-from remat.frontends.executor import apply  # noqa: E402
+from remat.frontends import apply  # noqa: E402
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError  # noqa: E402
 from remat.frontends import default_loss, measure_peak, zoo  # noqa: E402
 from remat.frontends.measure import StorageTracker, unique_bytes  # noqa: E402

@@ -16,7 +16,8 @@ from remat.cli import main  # noqa: E402
 from remat.core.errors import InvalidInputError  # noqa: E402
 from remat.frontends import measure_peak, trace, zoo  # noqa: E402
 from remat.frontends.capture import CaptureError  # noqa: E402
-from remat.frontends.measure import plain_step_peaks, storage_key, unique_bytes  # noqa: E402
+from remat.frontends import plain_step_peaks  # noqa: E402
+from remat.frontends.measure import storage_key, unique_bytes  # noqa: E402
 from remat.core.graph import Graph  # noqa: E402
 from remat.solvers import get as solver  # noqa: E402
 
@@ -108,7 +109,7 @@ def test_meta_records_model_batch_dtype_device_torch_profiler():
     assert m["model"] == "tiny" and m["batch"] == 2 and m["input_shapes"] == [[2, 8]]
     assert m["dtype"] == "float32" and m["device"] == "cpu" and m["torch"] == torch.__version__
     assert m["profiler"] == "flops" and m["granularity"] == "module" and m["capture"].startswith("torch.export")
-    assert m["bandwidth"] == remat.graph.DEFAULT_BANDWIDTH and "default" in m["bandwidth_source"]
+    assert m["bandwidth"] == remat.core.graph.DEFAULT_BANDWIDTH and "default" in m["bandwidth_source"]
     assert g.bandwidth == m["bandwidth"]
     assert set(m["trace_seconds"]) == {"capture", "profile", "total"}
 

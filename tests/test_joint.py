@@ -19,7 +19,7 @@ import remat  # noqa: E402
 from remat.core.errors import InvalidInputError  # noqa: E402
 from remat.frontends import default_loss, measure_peak, zoo  # noqa: E402
 from remat.frontends.capture import CaptureError  # noqa: E402
-from remat.frontends.executor import apply  # noqa: E402
+from remat.frontends import apply  # noqa: E402
 from remat.frontends.joint_executor import PlannedJointStep  # noqa: E402
 from remat.core.plan import Plan  # noqa: E402
 from remat.core.schedule import Op, Schedule  # noqa: E402

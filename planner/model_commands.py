@@ -1,5 +1,5 @@
-"""What ``remat trace`` and ``remat plan MODEL`` run (the argument parsing stays in remat.cli,
-which imports no torch).
+"""What ``remat trace``, ``remat run`` and ``remat plan MODEL`` run: loading a MODEL, tracing it,
+training with a plan (these import torch; the argument parsing stays in remat.cli, which does not).
 
 MODEL is a zoo name (``remat.frontends.zoo.names()``), ``path/to/file.py:factory`` or
 ``package.module:factory``.  A factory is called with no arguments (or with ``batch=N`` when
@@ -42,7 +42,7 @@ def parse_shape(text: str | None) -> tuple[int, ...] | None:
 def load_model(spec: str, *, batch: int | None = None, input_shape: tuple | None = None,
                full: bool = False) -> tuple[Any, tuple, str]:
     """(model, example_inputs, name) for a MODEL spec (see the module docstring)."""
-    from . import zoo
+    from remat.frontends import zoo
     forms = FORMS.format(zoo=", ".join(zoo.names()))
     if spec in zoo.names():
         try:
@@ -113,7 +113,7 @@ def _takes(fn: Any, name: str) -> bool:
 
 def trace_model(spec: str, *, batch: int | None = None, input_shape: tuple | None = None, full: bool = False,
                 progress: bool = True, **options: Any):
-    from .trace import trace
+    from remat.frontends.trace import trace
     model, inputs, name = load_model(spec, batch=batch, input_shape=input_shape, full=full)
     graph = trace(model, inputs, name=name, progress=progress, **options)
     graph.meta["model_spec"] = model_spec(spec, batch, input_shape, full)
@@ -125,13 +125,14 @@ def model_spec(spec: str, batch: int | None, input_shape: tuple | None, full: bo
     return {"model": spec, "batch": batch, "input_shape": list(input_shape) if input_shape else None, "full": full}
 
 
-def run_run(args: Any) -> int:
-    """``remat run``: train a few steps with a plan (given, or made here) and print predicted vs
-    measured peak and time per step."""
-    from remat.budget import format_bytes
+def run_run(args: Any, solver_options: dict) -> int:
+    """``remat run``: train a few steps with a plan (given, or made here with `solver_options`)
+    and print predicted vs measured peak and time per step."""
     from remat.core.plan import load_plan
-    from remat.planning import plan as make_plan
-    from .run import run_plan
+    from remat.core.units import format_bytes
+    from remat.frontends.run import run_plan
+
+    from .planning import plan as make_plan
     shape = parse_shape(args.input_shape)
     if args.plan is not None:
         p = load_plan(args.plan)
@@ -147,11 +148,10 @@ def run_run(args: Any) -> int:
         if args.model is None:
             raise InvalidInputError("remat run: give MODEL with --budget, or --plan PLAN.json")
         model, inputs, name = load_model(args.model, batch=args.batch, input_shape=shape, full=args.full)
-        from .trace import trace
+        from remat.frontends.trace import trace
         graph = trace(model, inputs, name=name, progress=not args.no_progress)
         graph.meta["model_spec"] = model_spec(args.model, args.batch, shape, args.full)
-        from remat.cli import _solver_options
-        p = make_plan(graph, args.budget, args.solver, **_solver_options(args))
+        p = make_plan(graph, args.budget, args.solver, **solver_options)
         if args.output:
             p.save(args.output)
             print(f"wrote      {args.output}")
@@ -178,7 +178,9 @@ def run_run(args: Any) -> int:
 
 def run_trace(args: Any) -> int:
     """``remat trace``: trace MODEL, print a summary, write the graph."""
-    from remat.budget import baseline_peak, format_bytes
+    from remat.core.units import format_bytes
+
+    from .budget import baseline_peak
     graph = trace_model(args.model, batch=args.batch, input_shape=parse_shape(args.input_shape), full=args.full,
                         progress=not args.no_progress, granularity=args.granularity, depth=args.depth,
                         profile=args.profile, device=args.device, repeats=args.repeats, optimizer=args.optimizer,

@@ -1,0 +1,312 @@
+"""Module granularity: one node per call of a module (or, ``"op-stages"``, per ATen op of the
+forward), each with the backward node autograd gives it (`ModuleFrontend`).
+
+Pipeline: `capture` (torch.export, or an eager recording when export fails) -> `stages.cut`
+(module calls at a depth, or single ops) -> `profile.profile_runner` per stage and for the
+loss -> a Checkmate-style layer graph (forward nodes, a loss node, one backward node per
+forward node in reverse order; edges as `remat.generators.from_forward`).
+
+What a node costs (docs/design.md, "The memory model"):
+
+* forward node: ``bytes`` = what keeping it for backward costs = its outputs plus what autograd
+  saves inside it (unique storages; parameters and the node's inputs left out: an input is its
+  producer's output, counted there); ``workspace_bytes`` = transient peak above that while it
+  runs; ``time`` = forward time.  Extras: ``output_bytes``, ``saved_bytes``, ``module``...
+* loss node: the loss function's forward *and* backward: ``bytes`` = the gradient w.r.t. the
+  model's outputs (what lives on until the last forward node's backward), ``workspace_bytes``
+  = the rest of its peak (saved tensors of the loss, the loss value).
+* backward node of v: ``bytes`` = gradient w.r.t. v's activation inputs, ``time`` = v's backward
+  (input and parameter gradients), ``workspace_bytes`` = its transient peak, parameter gradients
+  left out (they are fixed bytes).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_unflatten
+
+from remat.core.errors import InvalidInputError
+from remat.core.graph import Node
+
+from .base import Frontend, TraceContext
+from .capture import Captured, capture
+from .profile import FlopsModel, Runner, StageProfile, is_random, profile_runner, release_plan, run_nodes, writes_of
+from .stages import Stage, cut
+
+log = logging.getLogger(__name__)
+
+GRANULARITIES = ("module", "op-stages")
+CAPTURES = ("auto", "export", "eager")
+
+
+class ModuleFrontend(Frontend):
+    """``granularity="module"``: one node per call of a module at `depth` (`stages.cut`);
+    ``"op-stages"``: one per ATen op of the forward.  `capture_with`: ``"auto"`` (torch.export,
+    an eager recording when it fails), ``"export"`` or ``"eager"``.  `backward_edges`:
+    ``"saved"`` (the backward of v reads v's output and inputs only where autograd saved them)
+    or ``"all"`` (always, as Checkmate does)."""
+
+    def __init__(self, granularity: str = "module", depth: int = 1, capture_with: str = "auto",
+                 backward_edges: str = "saved"):
+        if granularity not in GRANULARITIES:
+            raise InvalidInputError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
+        if not isinstance(depth, int) or depth < 1:
+            raise InvalidInputError(f"depth: must be a whole number >= 1, got {depth!r}")
+        if capture_with not in CAPTURES:
+            raise InvalidInputError(f"capture_with: expected one of {CAPTURES}, got {capture_with!r}")
+        if backward_edges not in ("saved", "all"):
+            raise InvalidInputError(f"backward_edges: expected 'saved' or 'all', got {backward_edges!r}")
+        self.granularity, self.depth = granularity, depth
+        self.capture_with, self.backward_edges = capture_with, backward_edges
+
+    def capture(self, ctx: TraceContext) -> None:
+        ctx.state["cap"] = capture(ctx.model, ctx.args, ctx.kwargs, mode=self.capture_with)
+
+    def cut(self, ctx: TraceContext) -> None:
+        cap = ctx.state["cap"]
+        stages = ctx.state["stages"] = cut(cap, ctx.model, self.granularity, self.depth)
+        log.info("captured %s with %s: %d ops in %d stages", ctx.name, cap.method,
+                 sum(len(s.nodes) for s in stages), len(stages))
+
+    def profile(self, ctx: TraceContext) -> None:
+        ctx.state["profiles"] = _profile_all(ctx.state["cap"], ctx.state["stages"], ctx.model, ctx.args, ctx.loss_fn,
+                                             ctx.device, ctx.measure_time, ctx.warmup, ctx.repeats, ctx.flops,
+                                             ctx.progress, ctx.name)
+
+    def assemble(self, ctx: TraceContext) -> tuple[list[Node], list[tuple[int, int]], dict]:
+        cap, stages = ctx.state["cap"], ctx.state["stages"]
+        profs, loss_prof, rng_flags, mutated = ctx.state["profiles"]
+        nodes, edges = _assemble(cap, stages, profs, loss_prof, rng_flags, mutated, ctx.profile, ctx.flops_model,
+                                 backward_edges=self.backward_edges)
+        m = len(stages)
+        return nodes, edges, {
+            "depth": self.depth if self.granularity == "module" else None,
+            "capture": cap.method,
+            "backward_edges": self.backward_edges,
+            "capture_notes": list(cap.notes) + list(ctx.notes),
+            "rng_nodes": [j for j in range(m) if rng_flags[j]],
+            "buffer_mutations": {stages[j].name: mutated[j] for j in range(m) if mutated[j]},
+        }
+
+
+# ---- profiling ---------------------------------------------------------------------------------
+# ---- profiling ---------------------------------------------------------------------------------
+def _profile_all(cap: Captured, stages: list[Stage], model: torch.nn.Module, args: tuple, loss_fn: Callable,
+                 dev: torch.device, measure_time: bool, warmup: int, repeats: int, flops: bool, progress: bool,
+                 model_name: str):
+    # parameter gradients exist for the whole step (fixed bytes): preallocate them so each
+    # stage's backward accumulates into them; the caller's gradients are put back afterwards
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    stashed = [(p, p.grad) for p in trainable]
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    statics = list(model.parameters()) + list(model.buffers()) + [p.grad for p in trainable]
+    try:
+        return _profile_stages(cap, stages, args, loss_fn, dev, measure_time, warmup, repeats, flops, progress,
+                               model_name, statics)
+    finally:
+        for p, g in stashed:
+            p.grad = g
+
+
+def _profile_stages(cap: Captured, stages: list[Stage], args: tuple, loss_fn: Callable, dev: torch.device,
+                    measure_time: bool, warmup: int, repeats: int, flops: bool, progress: bool, model_name: str,
+                    statics: list):
+    from tqdm import tqdm
+
+    env: dict = dict(cap.values)
+    rg: dict = {n: isinstance(v, torch.Tensor) and cap.kinds[n] == "parameter" and v.requires_grad
+                for n, v in cap.values.items()}
+    profs: list[StageProfile] = []
+    rng_flags: list[bool] = []
+    mutated: list[list[str]] = []
+    kw = dict(device=dev, measure_time=measure_time, warmup=warmup, repeats=repeats, flops=flops)
+    with tqdm(total=len(stages) + 1, desc=f"profiling {model_name}", unit="node", file=sys.stderr,
+              disable=not progress, leave=False) as bar:
+        for s in stages:
+            bar.set_postfix_str(s.name[:40])
+            runner = _stage_runner(s, cap, env, rg)
+            watched = [(i, env[i]) for i in s.inputs if cap.kinds.get(i) in ("buffer", "input")
+                       and isinstance(env[i], torch.Tensor)]
+            # BatchNorm's kernel updates running statistics without bumping version counters:
+            # compare values too
+            versions = [(t._version, t.detach().clone()) for _, t in watched]
+            try:
+                prof, plain = profile_runner(runner, ignore=statics, **kw)
+            except Exception as e:  # noqa: BLE001
+                raise InvalidInputError(f"profiling node {s.name!r} ({s.module_type}) failed: "
+                                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            for o, (val, req) in zip(s.outputs, plain):
+                env[o] = val
+                rg[o] = req
+            prof.random = any(_random(n) for n in s.nodes)
+            mutated.append([str(cap.targets[i]) if cap.kinds[i] == "buffer" else f"input {cap.targets[i]}"
+                            for (i, t), (v, before) in zip(watched, versions)
+                            if t._version != v or not torch.equal(t, before)])
+            profs.append(prof)
+            rng_flags.append(prof.random)
+            bar.update()
+        bar.set_postfix_str("loss")
+        loss_prof = _profile_loss(cap, env, rg, args, loss_fn, kw)
+        bar.update()
+    return profs, loss_prof, rng_flags, mutated
+
+
+def _random(n: fx.Node) -> bool:
+    if is_random(n):
+        return True
+    name = getattr(n.target, "__name__", "")
+    if "dropout" in name or "bernoulli" in name or name.startswith(("rand", "normal")):
+        return True
+    if "scaled_dot_product" in name:
+        p = n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)
+        return bool(p)
+    return False
+
+
+def _stage_runner(s: Stage, cap: Captured, env: dict, rg: dict) -> Runner:
+    values = [env[i] for i in s.inputs]
+    written = {w for n in s.nodes for w in writes_of(n)}
+    grad_inputs, cloned, params = [], [], []
+    for k, i in enumerate(s.inputs):
+        v = values[k]
+        kind = cap.kinds.get(i)
+        if kind == "parameter":
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                params.append(v)
+            continue
+        if kind is None and rg.get(i) and isinstance(v, torch.Tensor) and v.is_floating_point():
+            grad_inputs.append(k)
+        if i in written and kind != "buffer":
+            cloned.append(k)
+    inputs, outputs, nodes = list(s.inputs), list(s.outputs), list(s.nodes)
+    release = release_plan(nodes, outputs)
+
+    def forward(args: list) -> list:
+        local = run_nodes(nodes, dict(zip(inputs, args)), release)
+        return [local[o] for o in outputs]
+    return Runner(forward, values, grad_inputs, cloned, params)
+
+
+def _profile_loss(cap: Captured, env: dict, rg: dict, args: tuple, loss_fn: Callable, kw: dict) -> StageProfile:
+    out_nodes = [o for o in cap.outputs if isinstance(o, fx.Node)]
+    values = [env[o] for o in out_nodes]
+    grad_inputs = [k for k, (o, v) in enumerate(zip(out_nodes, values))
+                   if rg.get(o) and isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not grad_inputs:
+        raise InvalidInputError("the model's output does not require grad (no parameter reaches it?); "
+                                "nothing to train")
+
+    def forward(vals: list) -> list:
+        it = iter(vals)
+        flat = [next(it) if isinstance(o, fx.Node) else o for o in cap.outputs]
+        output = tree_unflatten(flat, cap.out_spec)
+        loss = loss_fn(output, *args)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise InvalidInputError(f"loss_fn must return a scalar tensor, got "
+                                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
+        if not loss.requires_grad:
+            raise InvalidInputError("the loss does not depend on the model's output (it does not require grad)")
+        return [loss]
+
+    runner = Runner(forward, values, grad_inputs, [], [])
+    try:
+        prof, _ = profile_runner(runner, ignore=[], grad_outputs=lambda diff: None, **kw)
+    except InvalidInputError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise InvalidInputError(f"the loss function failed on the model's output: {type(e).__name__}: {e}") from e
+    return prof
+
+
+# ---- the graph ---------------------------------------------------------------------------------
+def _saved_preds(s: Stage, p: StageProfile, producer: dict, preds: list[int]) -> list[bool]:
+    """For each producer in `preds`: does stage `s`'s backward read (autograd saved) its output?"""
+    saved = {producer[i] for i, sv in zip(s.inputs, p.saves_input) if sv and i in producer}
+    return [u in saved for u in preds]
+
+
+def _assemble(cap: Captured, stages: list[Stage], profs: list[StageProfile], loss_prof: StageProfile,
+              rng_flags: list[bool], mutated: list[list[str]], profile: str, fm: FlopsModel,
+              backward_edges: str = "saved") -> tuple[list[Node], list[tuple[int, int]]]:
+    m = len(stages)
+    producer = {o: j for j, s in enumerate(stages) for o in s.outputs}
+    preds: list[list[int]] = []
+    for j, s in enumerate(stages):
+        ps = []
+        for i in s.inputs:
+            p = producer.get(i)
+            if p is not None and p not in ps:
+                ps.append(p)
+        preds.append(ps)
+    succs: list[list[int]] = [[] for _ in range(m)]
+    for j, ps in enumerate(preds):
+        for p in ps:
+            succs[p].append(j)
+    feeds_loss = {producer[o] for o in cap.outputs if isinstance(o, fx.Node) and o in producer}
+    loss = m
+    bwd = {v: m + 1 + (m - 1 - v) for v in range(m)}
+
+    def t_fwd(p: StageProfile) -> float:
+        return fm.time(p.fwd_flops, p.fwd_alloc_bytes) if profile == "flops" else p.fwd_time
+
+    def t_bwd(p: StageProfile) -> float:
+        if not p.differentiable:
+            return 0.0
+        return fm.time(p.bwd_flops, p.bwd_alloc_bytes) if profile == "flops" else p.bwd_time
+
+    nodes: list[Node] = []
+    for j, (s, p) in enumerate(zip(stages, profs)):
+        extra = {"module": s.module, "module_type": s.module_type, "ops": len(s.nodes),
+                 "output_bytes": p.output_bytes, "saved_bytes": p.saved_bytes, "retained_bytes": p.retained_bytes,
+                 "saves_input_of": sorted({producer[i] for i, sv in zip(s.inputs, p.saves_input)
+                                           if sv and i in producer})}
+        if rng_flags[j]:
+            extra["random"] = True
+        if mutated[j]:
+            extra["mutates"] = mutated[j]
+        if profile == "flops":
+            extra["flops"] = p.fwd_flops
+        nodes.append(Node(j, s.name, "forward", float(t_fwd(p)),
+                          int(max(p.output_bytes + p.saved_bytes, p.retained_bytes)),
+                          int(p.fwd_workspace), extra))
+    lp = loss_prof
+    loss_kept = max(lp.output_bytes + lp.saved_bytes, lp.retained_bytes)
+    loss_ws = max(lp.fwd_workspace + loss_kept, loss_kept + lp.bwd_workspace + lp.grad_bytes) - lp.grad_bytes
+    loss_extra = {"loss_bytes": lp.output_bytes, "saved_bytes": lp.saved_bytes,
+                  "forward_time": t_fwd(lp), "backward_time": t_bwd(lp)}
+    if profile == "flops":
+        loss_extra["flops"] = lp.fwd_flops + lp.bwd_flops
+    nodes.append(Node(loss, "loss", "loss", float(t_fwd(lp) + t_bwd(lp)), int(lp.grad_bytes), int(max(0, loss_ws)),
+                      loss_extra))
+    for v in reversed(range(m)):
+        p = profs[v]
+        extra = {"forward": v, "param_grad_bytes": p.param_grad_bytes}
+        if profile == "flops":
+            extra["flops"] = p.bwd_flops
+        nodes.append(Node(bwd[v], f"grad_{stages[v].name}", "backward", float(t_bwd(p)),
+                          int(p.grad_bytes) if p.differentiable else 0,
+                          int(p.bwd_workspace) if p.differentiable else 0, extra))
+    edges: list[tuple[int, int]] = []
+    for v in range(m):
+        for u in preds[v]:
+            edges.append((u, v))
+        if v in feeds_loss or not succs[v]:
+            edges.append((v, loss))
+            edges.append((loss, bwd[v]))
+        for w in succs[v]:
+            edges.append((bwd[w], bwd[v]))
+        p = profs[v]
+        if backward_edges == "all" or p.saved_bytes or p.saves_output or p.retained_bytes > p.output_bytes:
+            edges.append((v, bwd[v]))
+        for u, sv in zip(preds[v], _saved_preds(stages[v], p, producer, preds[v])):
+            if backward_edges == "all" or sv:
+                edges.append((u, bwd[v]))
+    return nodes, edges
+
+
+__all__ = ["ModuleFrontend", "GRANULARITIES", "CAPTURES"]
