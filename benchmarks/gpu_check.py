@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 import remat
 from remat.core.errors import InfeasibleBudgetError, RematError
 from remat.frontends import default_loss, zoo
-from remat.frontends.measure import untracked_blocks
+from remat.frontends.measuring import untracked_blocks
 from remat.frontends.run import random_batch, run_plan
 
 COLUMNS = ("model", "nodes", "budget", "budget_bytes", "note", "solver_status", "predicted_peak", "measured_peak",

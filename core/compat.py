@@ -1,7 +1,7 @@
 """Deprecated module paths: the layout before docs/design.md's (``remat.graph``, ``remat.plan`` as a
 module, ``remat.solvers.ilp_scalable``, ...).  Each old path is registered in ``sys.modules`` as a
-thin module that forwards every attribute to the module that now holds it and warns once per
-name (`DeprecationWarning`), so ``from remat.graph import Graph`` keeps working.  Nothing here
+thin module that forwards every attribute to the module that now holds it with a
+`DeprecationWarning`, so ``from remat.graph import Graph`` keeps working.  Nothing here
 imports torch.
 """
 from __future__ import annotations
@@ -19,7 +19,6 @@ class MovedModule(types.ModuleType):
     def __init__(self, old: str, targets: tuple[str, ...]):
         super().__init__(old, f"Deprecated: moved to {', '.join(targets)}.")
         self.__dict__["_moved_to"] = targets
-        self.__dict__["_warned"] = set()
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -31,10 +30,8 @@ class MovedModule(types.ModuleType):
         else:
             raise AttributeError(f"module {self.__name__!r} (moved to {', '.join(self.__dict__['_moved_to'])}) "
                                  f"has no attribute {name!r}")
-        if name not in self.__dict__["_warned"]:
-            self.__dict__["_warned"].add(name)
-            warnings.warn(f"{self.__name__}.{name} moved to {target}.{name}; the old path goes in a later release",
-                          DeprecationWarning, stacklevel=2)
+        warnings.warn(f"{self.__name__}.{name} moved to {target}.{name}; the old path goes in a later release",
+                      DeprecationWarning, stacklevel=2)
         return getattr(module, name)
 
     def __dir__(self):

@@ -10,11 +10,18 @@
   `measure(step_fn, device)` (also ``remat.measure``): its peak and wall time;
   `plain_step_peaks(model, inputs)`: one plain training step's.
 """
+from remat.core.compat import register_moved
+
 from . import zoo
-from .apply import apply
+from .applying import apply
 from .base import default_loss, fixed_bytes, plain_step_peaks
-from .measure import Measurement, StorageTracker, measure, measure_peak
-from .trace import trace
+from .measuring import Measurement, StorageTracker, measure, measure_peak
+from .tracing import trace
 
 __all__ = ["trace", "apply", "default_loss", "fixed_bytes", "plain_step_peaks", "measure", "Measurement",
            "measure_peak", "StorageTracker", "zoo"]
+
+# module paths of the layout before docs/design.md's, kept importable (with a warning);
+# `remat.frontends.trace` and `.measure` are this package's functions now
+register_moved({"remat.frontends.trace": "remat.frontends.tracing", "remat.frontends.measure": "remat.frontends.measuring",
+                "remat.frontends.stages": "remat.frontends.segments"})

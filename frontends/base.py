@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.core.errors import InvalidInputError
 from remat.core.graph import DEFAULT_BANDWIDTH, Graph, Node
 
-from .measure import LibraryWorkspaces, measure_peak, unique_bytes
+from .measuring import LibraryWorkspaces, measure_peak, unique_bytes
 from .profile import FlopsModel
 
 log = logging.getLogger(__name__)

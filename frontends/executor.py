@@ -53,10 +53,10 @@ from torch.utils._pytree import tree_unflatten
 from remat.core.errors import InvalidInputError
 
 from .capture import EAGER, capture
-from .measure import storage_key
+from .measuring import storage_key
 from .profile import release_plan, run_nodes, writes_of
 from .runtime import PlannedBase, RunBase
-from .stages import cut
+from .segments import cut
 from .transfer import StorageSet, Transfers
 
 log = logging.getLogger(__name__)

@@ -67,7 +67,7 @@ from remat.core.graph import Graph, Node
 
 from .base import Frontend, TraceContext, prepare, trace_with
 from .capture import CaptureError, quiet_torch_logs
-from .measure import AllocatorWindow, StorageTracker, on_autograd_thread
+from .measuring import AllocatorWindow, StorageTracker, on_autograd_thread
 from .profile import FlopsModel, Timer, is_random
 
 log = logging.getLogger(__name__)

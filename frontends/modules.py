@@ -35,7 +35,7 @@ from remat.core.graph import Node
 from .base import Frontend, TraceContext
 from .capture import Captured, capture
 from .profile import FlopsModel, Runner, StageProfile, is_random, profile_runner, release_plan, run_nodes, writes_of
-from .stages import Stage, cut
+from .segments import Segment, cut
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class ModuleFrontend(Frontend):
 
 # ---- profiling ---------------------------------------------------------------------------------
 # ---- profiling ---------------------------------------------------------------------------------
-def _profile_all(cap: Captured, stages: list[Stage], model: torch.nn.Module, args: tuple, loss_fn: Callable,
+def _profile_all(cap: Captured, stages: list[Segment], model: torch.nn.Module, args: tuple, loss_fn: Callable,
                  dev: torch.device, measure_time: bool, warmup: int, repeats: int, flops: bool, progress: bool,
                  model_name: str):
     # parameter gradients exist for the whole step (fixed bytes): preallocate them so each
@@ -113,7 +113,7 @@ def _profile_all(cap: Captured, stages: list[Stage], model: torch.nn.Module, arg
             p.grad = g
 
 
-def _profile_stages(cap: Captured, stages: list[Stage], args: tuple, loss_fn: Callable, dev: torch.device,
+def _profile_stages(cap: Captured, stages: list[Segment], args: tuple, loss_fn: Callable, dev: torch.device,
                     measure_time: bool, warmup: int, repeats: int, flops: bool, progress: bool, model_name: str,
                     statics: list):
     from tqdm import tqdm
@@ -168,7 +168,7 @@ def _random(n: fx.Node) -> bool:
     return False
 
 
-def _stage_runner(s: Stage, cap: Captured, env: dict, rg: dict) -> Runner:
+def _stage_runner(s: Segment, cap: Captured, env: dict, rg: dict) -> Runner:
     values = [env[i] for i in s.inputs]
     written = {w for n in s.nodes for w in writes_of(n)}
     grad_inputs, cloned, params = [], [], []
@@ -224,13 +224,13 @@ def _profile_loss(cap: Captured, env: dict, rg: dict, args: tuple, loss_fn: Call
 
 
 # ---- the graph ---------------------------------------------------------------------------------
-def _saved_preds(s: Stage, p: StageProfile, producer: dict, preds: list[int]) -> list[bool]:
+def _saved_preds(s: Segment, p: StageProfile, producer: dict, preds: list[int]) -> list[bool]:
     """For each producer in `preds`: does stage `s`'s backward read (autograd saved) its output?"""
     saved = {producer[i] for i, sv in zip(s.inputs, p.saves_input) if sv and i in producer}
     return [u in saved for u in preds]
 
 
-def _assemble(cap: Captured, stages: list[Stage], profs: list[StageProfile], loss_prof: StageProfile,
+def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], loss_prof: StageProfile,
               rng_flags: list[bool], mutated: list[list[str]], profile: str, fm: FlopsModel,
               backward_edges: str = "saved") -> tuple[list[Node], list[tuple[int, int]]]:
     m = len(stages)

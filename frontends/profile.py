@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from .measure import AllocatorWindow, StorageTracker, storage_bytes, storage_key, unique_bytes
+from .measuring import AllocatorWindow, StorageTracker, storage_bytes, storage_key, unique_bytes
 
 
 @dataclass

@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.core.errors import InvalidInputError
 from remat.core.plan import Plan
 
-from .apply import apply
-from .measure import Measurement, measure
+from .applying import apply
+from .measuring import Measurement, measure
 from .base import default_loss, split_inputs
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .measure import block_bytes
+from .measuring import block_bytes
 
 __all__ = ["HostPool", "Transfers", "StorageSet"]
 

@@ -30,13 +30,14 @@ MOVED_MODULES = {
     "remat.schedule": "remat.core.schedule",
     "remat.simulate": "remat.core.simulate",
     "remat.plan": ("remat.core.plan", "remat.planning"),
+    "remat.frontends.cli": "remat.model_commands",
 }
 register_moved(MOVED_MODULES)
 
 # `remat.trace`, `remat.apply` and `remat.measure` live in remat.frontends, which imports torch:
 # loaded on first use only, so `import remat` stays torch-free
-_LAZY = {"trace": ("remat.frontends.trace", "trace"), "apply": ("remat.frontends.apply", "apply"),
-         "measure": ("remat.frontends.measure", "measure")}
+_LAZY = {"trace": ("remat.frontends.tracing", "trace"), "apply": ("remat.frontends.applying", "apply"),
+         "measure": ("remat.frontends.measuring", "measure")}
 
 
 def __getattr__(name: str):

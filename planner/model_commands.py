@@ -113,7 +113,7 @@ def _takes(fn: Any, name: str) -> bool:
 
 def trace_model(spec: str, *, batch: int | None = None, input_shape: tuple | None = None, full: bool = False,
                 progress: bool = True, **options: Any):
-    from remat.frontends.trace import trace
+    from remat.frontends.tracing import trace
     model, inputs, name = load_model(spec, batch=batch, input_shape=input_shape, full=full)
     graph = trace(model, inputs, name=name, progress=progress, **options)
     graph.meta["model_spec"] = model_spec(spec, batch, input_shape, full)
@@ -148,7 +148,7 @@ def run_run(args: Any, solver_options: dict) -> int:
         if args.model is None:
             raise InvalidInputError("remat run: give MODEL with --budget, or --plan PLAN.json")
         model, inputs, name = load_model(args.model, batch=args.batch, input_shape=shape, full=args.full)
-        from remat.frontends.trace import trace
+        from remat.frontends.tracing import trace
         graph = trace(model, inputs, name=name, progress=not args.no_progress)
         graph.meta["model_spec"] = model_spec(args.model, args.batch, shape, args.full)
         p = make_plan(graph, args.budget, args.solver, **solver_options)

@@ -14,7 +14,7 @@ import remat  # noqa: E402
 from remat.frontends import apply  # noqa: E402
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError  # noqa: E402
 from remat.frontends import default_loss, measure_peak, zoo  # noqa: E402
-from remat.frontends.measure import StorageTracker, unique_bytes  # noqa: E402
+from remat.frontends.measuring import StorageTracker, unique_bytes  # noqa: E402
 from remat.solvers.ilp import min_feasible_budget  # noqa: E402
 from remat.core.schedule import Op, Schedule  # noqa: E402
 

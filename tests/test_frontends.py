@@ -17,7 +17,7 @@ from remat.core.errors import InvalidInputError  # noqa: E402
 from remat.frontends import measure_peak, trace, zoo  # noqa: E402
 from remat.frontends.capture import CaptureError  # noqa: E402
 from remat.frontends import plain_step_peaks  # noqa: E402
-from remat.frontends.measure import storage_key, unique_bytes  # noqa: E402
+from remat.frontends.measuring import storage_key, unique_bytes  # noqa: E402
 from remat.core.graph import Graph  # noqa: E402
 from remat.solvers import get as solver  # noqa: E402
 
@@ -518,7 +518,7 @@ def test_import_remat_does_not_import_torch():
 
 
 def test_block_bytes_round_cuda_storages_to_the_allocators_512_byte_blocks():
-    from remat.frontends.measure import block_bytes
+    from remat.frontends.measuring import block_bytes
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert [block_bytes(n, cuda) for n in (0, 1, 512, 513, 4096 + 1)] == [512, 512, 512, 1024, 4608]
     assert [block_bytes(n, cpu) for n in (0, 1, 513)] == [0, 1, 513]
@@ -528,7 +528,7 @@ def test_unowned_bytes_are_the_blocks_no_live_tensor_holds():
     # what remat.trace counts as the CUDA libraries' workspaces: allocator blocks no tensor (nor a
     # leaf's .grad) starts in; views and fake tensors of a captured graph own nothing extra
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from remat.frontends.measure import unowned_bytes
+    from remat.frontends.measuring import unowned_bytes
     p = torch.nn.Parameter(torch.randn(64))
     p.grad = torch.zeros(64)
     x = torch.randn(8, 8)
@@ -544,7 +544,7 @@ def test_unowned_bytes_are_the_blocks_no_live_tensor_holds():
 
 
 def test_runtime_bytes_and_allocator_windows_are_cuda_only():
-    from remat.frontends.measure import AllocatorWindow, LibraryWorkspaces, untracked_device_bytes
+    from remat.frontends.measuring import AllocatorWindow, LibraryWorkspaces, untracked_device_bytes
     cpu = torch.device("cpu")
     with LibraryWorkspaces(cpu) as libs, AllocatorWindow(cpu) as w:
         torch.randn(256, 256) @ torch.randn(256, 256)
@@ -557,7 +557,7 @@ def test_runtime_bytes_and_allocator_windows_are_cuda_only():
 def test_host_pool_counts_what_each_buffer_stands_for_and_reuses_buffers_by_size():
     # a swapped-out CUDA storage of 100 bytes frees a 512-byte block: the pool counts 512 (as the
     # plan does) but holds a 100-byte buffer, handed out again in the next step
-    from remat.frontends.measure import on_autograd_thread
+    from remat.frontends.measuring import on_autograd_thread
     from remat.frontends.transfer import HostPool
     pool = HostPool(pin=False)
     a = pool.take(100, counted=512)

@@ -1,4 +1,5 @@
-"""Cut a captured graph into stages: the forward nodes of the training graph.
+"""Cut a captured graph into segments ("stages" in the plan's words): the forward nodes of the
+training graph.
 
 Module granularity: one stage per call of a *group module*.  Group modules at depth 1 are the
 children of the top module, looking through plain containers (exactly `nn.Sequential`,
@@ -10,10 +11,11 @@ own forward, a residual add) form "glue" stages of their own, one per run.  Op s
 (``granularity="op-stages"``; plans made before "op" meant the joint graph say ``"op"``): one
 stage per op.
 
-Storage rules (DESIGN.md, "Modelling memory honestly").  A stage whose output shares storage
+Storage rules (docs/design.md, "The memory model").  A stage whose output shares storage
 with a value another stage produced (a view, ``flatten``), or that writes in place into such a
 value (``ReLU(inplace=True)`` after a BatchNorm), cannot be kept or freed apart from that stage,
-and a checkpoint cut just before an in-place op breaks autograd (REFERENCES.md 7.3).  Such a
+and a checkpoint cut just before an in-place op breaks autograd (as `torch.utils.checkpoint`'s
+documentation warns).  Such a
 stage is merged with the producer (and the stages between them): ``bn1+relu``.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
 @dataclass
-class Stage:
+class Segment:
     name: str
     module: str              # path of the group module ("" for glue at the top)
     module_type: str         # class name, or "glue" / the op for op stages
@@ -77,13 +79,13 @@ def _stack(node: fx.Node) -> list[tuple[str, str, str]]:
     return out
 
 
-def cut(cap: Captured, model: torch.nn.Module, granularity: str = "module", depth: int = 1) -> list[Stage]:
+def cut(cap: Captured, model: torch.nn.Module, granularity: str = "module", depth: int = 1) -> list[Segment]:
     ops = [n for n in cap.graph.nodes if n.op == "call_function"]
-    stages: list[Stage] = []
+    stages: list[Segment] = []
     if granularity in ("op", "op-stages"):  # "op": plans traced before op meant the joint graph
         for n in ops:
             st = _stack(n)
-            stages.append(Stage(n.name, st[-1][1] if st else "", _op_name(n), [n]))
+            stages.append(Segment(n.name, st[-1][1] if st else "", _op_name(n), [n]))
     else:
         groups = group_modules(model, depth)
         current_key: Any = object()
@@ -100,12 +102,12 @@ def cut(cap: Captured, model: torch.nn.Module, granularity: str = "module", dept
                     stages[-1].nodes.append(n)
                     continue
                 name = f"{inner}:{_op_name(n)}" if inner else _op_name(n)
-                stages.append(Stage(name, inner, "glue", [n]))
+                stages.append(Segment(name, inner, "glue", [n]))
             elif key == current_key:
                 stages[-1].nodes.append(n)
                 continue
             else:
-                stages.append(Stage(path, path, typ, [n]))
+                stages.append(Segment(path, path, typ, [n]))
             current_key = key
     _link(stages, cap)
     stages = merge_aliases(stages, cap)
@@ -113,7 +115,7 @@ def cut(cap: Captured, model: torch.nn.Module, granularity: str = "module", dept
     return stages
 
 
-def _link(stages: list[Stage], cap: Captured) -> None:
+def _link(stages: list[Segment], cap: Captured) -> None:
     """Fill each stage's inputs and outputs from the graph's uses."""
     owner = {n: i for i, s in enumerate(stages) for n in s.nodes}
     user_outs = {o for o in cap.outputs if isinstance(o, fx.Node)}
@@ -184,7 +186,7 @@ def alias_roots(cap: Captured) -> tuple[dict, dict]:
     return roots, writes
 
 
-def merge_aliases(stages: list[Stage], cap: Captured) -> list[Stage]:
+def merge_aliases(stages: list[Segment], cap: Captured) -> list[Segment]:
     roots, writes = alias_roots(cap)
     while True:
         owner = {n: i for i, s in enumerate(stages) for n in s.nodes}
@@ -204,7 +206,7 @@ def merge_aliases(stages: list[Stage], cap: Captured) -> list[Stage]:
         a, b = merge
         span = stages[a:b + 1]
         head = span[0]
-        joined = Stage("+".join(s.name for s in span), head.module, head.module_type,
+        joined = Segment("+".join(s.name for s in span), head.module, head.module_type,
                        [n for s in span for n in s.nodes])
         if len({s.module_type for s in span}) > 1:
             joined.module_type = "+".join(s.module_type for s in span)
@@ -212,7 +214,7 @@ def merge_aliases(stages: list[Stage], cap: Captured) -> list[Stage]:
         _link(stages, cap)
 
 
-def _unique_names(stages: list[Stage]) -> None:
+def _unique_names(stages: list[Segment]) -> None:
     seen: dict[str, int] = {}
     for s in stages:
         k = seen.get(s.name, 0)
@@ -221,4 +223,4 @@ def _unique_names(stages: list[Stage]) -> None:
             s.name = f"{s.name}#{k + 1}"
 
 
-__all__ = ["Stage", "cut", "group_modules", "alias_roots", "merge_aliases", "CONTAINERS"]
+__all__ = ["Segment", "cut", "group_modules", "alias_roots", "merge_aliases", "CONTAINERS"]
