@@ -9,7 +9,7 @@ one key per call (a module called twice has two keys), as `torch.export` records
 Two ways, tried in order:
 
 1. ``torch.export.export(model, args, kwargs, strict=False)`` (training IR: ATen before
-   autograd, in-place ops kept), REFERENCES.md 7.1;
+   autograd, in-place ops kept; docs/references.md, "PyTorch mechanisms");
 2. when export fails (data-dependent control flow, say), an *eager recording*: the model runs
    once on the real inputs under a `TorchDispatchMode` that records each ATen op with the module
    stack kept by forward hooks.  Control flow is taken as it went for these inputs (the graph

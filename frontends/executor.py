@@ -352,7 +352,7 @@ class _Run(RunBase):
         # from here on v's graph alone holds what it saved of its own, so the engine frees each
         # saved tensor right after the autograd node that uses it, as plain autograd does (and as
         # the profiler measured the backward's workspace); held until `free v`, they would stay
-        # alive under the gradients of the rest of v's backward (GPT-2's MLP: +17 KiB, 0.9 %)
+        # alive under the gradients of the rest of v's backward, above the plan
         lv.held = []
         hc = self.host.get(v)
         if hc is not None and hc.live is lv:

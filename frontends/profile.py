@@ -35,7 +35,7 @@ class FlopsModel:
     """Deterministic time model: ``time = flops / flops_per_s + bytes / bytes_per_s``, where
     ``bytes`` are the bytes the stage's ops allocate (a floor for ops with no flop formula,
     which ``torch.utils.flop_counter`` counts as 0).  Defaults are an A100-class GPU in fp32/TF32
-    (REFERENCES.md 7.2: the compiler's estimator does the same with max(flops, 1))."""
+    (the compiler's estimator does the same with max(flops, 1); docs/references.md)."""
     flops_per_s: float = 50e12
     bytes_per_s: float = 1.5e12
 

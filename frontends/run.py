@@ -104,7 +104,7 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
     loss_fn = loss_fn or default_loss
     planned = apply(model, plan, tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, args), loss_fn)
     # batches are drawn from host templates: a device copy of the example would stay resident
-    # beside each batch, one batch more than the plan counts (ResNet-18 at batch 32: +1.5 MiB)
+    # beside each batch, one batch more than the plan counts
     args = tree_map(lambda x: x.detach().to("cpu") if isinstance(x, torch.Tensor) else x, args)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)

@@ -63,7 +63,7 @@ def solver_options(args: argparse.Namespace) -> dict:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from remat.planning import plan
-    graph = _graph_or_model(args.graph, progress=not args.no_progress)
+    graph = _graph_or_model(args.graph, progress=not args.no_progress, options=trace_options(args))
     base = baseline_peak(graph)
     log.info("planning %s (%d nodes) at budget %s with solver %s", args.graph, graph.n, args.budget, args.solver)
     opts = solver_options(args)
@@ -263,18 +263,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.output:
         _write(args.output, lambda p: None)
     from .model_commands import run_run  # imports torch
-    return run_run(args, solver_options(args))
+    return run_run(args, solver_options(args), trace_options(args))
 
 
-def _graph_or_model(text: str, progress: bool = True):
+def _graph_or_model(text: str, progress: bool = True, options: dict | None = None):
     """A GRAPH.json, or a MODEL (zoo name, FILE.py:FACTORY, package.module:FACTORY) traced first
-    with the default options of `remat trace`."""
+    with `options` (those of `remat trace`)."""
     from remat.core.graph import Graph
     if text.endswith(".json") or Path(text).is_file():
         return Graph.load(text)
     from .model_commands import trace_model  # imports torch
-    log.info("tracing %s with the default options of `remat trace`", text)
-    return trace_model(text, progress=progress)
+    log.info("tracing %s (%s)", text, options or "the default options of `remat trace`")
+    return trace_model(text, progress=progress, **(options or {}))
 
 
 def _write(path: str, writer) -> None:
@@ -315,6 +315,31 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _add_trace_options(p: argparse.ArgumentParser) -> None:
+    """How a MODEL is traced (`remat trace`; `remat run` and `remat plan MODEL` trace first)."""
+    g = p.add_argument_group("tracing a MODEL")
+    g.add_argument("--granularity", choices=("module", "op", "joint", "op-stages"), default="module",
+                   help="one node per module call (default); op: per allocating ATen op of the joint "
+                   "forward+backward graph, falling back to op-stages when it cannot be captured; joint: the "
+                   "same without fallback; op-stages: per ATen op of the forward, backward nodes from autograd")
+    g.add_argument("--depth", type=_positive_int, default=1,
+                   help="module depth of the nodes (default 1: the top module's children, through containers)")
+    g.add_argument("--profile", choices=("measure", "flops"), default="measure",
+                   help="measured times (default) or deterministic FLOP-based times")
+    g.add_argument("--repeats", type=_positive_int, default=None,
+                   help="timed runs per node (default 5 on CUDA, 3 on a CPU)")
+    g.add_argument("--optimizer", default=None, help="count optimizer state as fixed bytes: sgd, sgd-momentum, "
+                   "adam, adamw, rmsprop, adagrad")
+    g.add_argument("--capture", choices=("auto", "export", "eager"), default="auto",
+                   help="torch.export with an eager fallback (default), export only, or eager recording")
+
+
+def trace_options(args: argparse.Namespace) -> dict:
+    """`remat.trace`'s options from the arguments of `_add_trace_options`."""
+    return {"granularity": args.granularity, "depth": args.depth, "profile": args.profile, "repeats": args.repeats,
+            "optimizer": args.optimizer, "capture_with": args.capture}
+
+
 def _add_solver_options(p: argparse.ArgumentParser, time_limit: float) -> None:
     p.add_argument("--no-swap", action="store_true", help="plan recomputation only (no host offload)")
     p.add_argument("--time-limit", type=_positive_float, default=time_limit, metavar="SECONDS",
@@ -348,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_solver_options(p, 60.0)
     p.add_argument("--no-progress", action="store_true", help="no ILP progress line on stderr")
     p.add_argument("-o", "--output", required=True, metavar="PLAN.json", help="where to write the plan")
+    _add_trace_options(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("trace", help="trace and profile a PyTorch model into a graph",
@@ -361,21 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", default=None, metavar="SHAPE",
                    help="one example's shape without the batch, e.g. 3,224,224 (GPT-2: sequence length)")
     p.add_argument("--full", action="store_true", help="zoo models: the published size instead of the small one")
-    p.add_argument("--granularity", choices=("module", "op", "joint", "op-stages"), default="module",
-                   help="one node per module call (default); op: per allocating ATen op of the joint "
-                   "forward+backward graph, falling back to op-stages when it cannot be captured; joint: the "
-                   "same without fallback; op-stages: per ATen op of the forward, backward nodes from autograd")
-    p.add_argument("--depth", type=_positive_int, default=1,
-                   help="module depth of the nodes (default 1: the top module's children, through containers)")
-    p.add_argument("--profile", choices=("measure", "flops"), default="measure",
-                   help="measured times (default) or deterministic FLOP-based times")
     p.add_argument("--device", default=None, help="cpu or cuda (default: where the model is)")
-    p.add_argument("--repeats", type=_positive_int, default=None,
-                   help="timed runs per node (default 5 on CUDA, 3 on a CPU)")
-    p.add_argument("--optimizer", default=None, help="count optimizer state as fixed bytes: sgd, sgd-momentum, "
-                   "adam, adamw, rmsprop, adagrad")
-    p.add_argument("--capture", choices=("auto", "export", "eager"), default="auto",
-                   help="torch.export with an eager fallback (default), export only, or eager recording")
+    _add_trace_options(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-o", "--output", required=True, metavar="GRAPH.json", help="where to write the graph")
     p.set_defaults(func=cmd_trace)
@@ -401,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plain", action="store_true", help="skip the plain autograd step")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while tracing")
     p.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="with --budget: write the plan")
+    _add_trace_options(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("simulate", help="re-simulate a plan: peak, time, breakdown, fit",

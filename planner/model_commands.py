@@ -125,13 +125,15 @@ def model_spec(spec: str, batch: int | None, input_shape: tuple | None, full: bo
     return {"model": spec, "batch": batch, "input_shape": list(input_shape) if input_shape else None, "full": full}
 
 
-def run_run(args: Any, solver_options: dict) -> int:
-    """``remat run``: train a few steps with a plan (given, or made here with `solver_options`)
-    and print predicted vs measured peak and time per step."""
+def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) -> int:
+    """``remat run``: train a few steps with a plan (given, or made here: traced with
+    `trace_options`, planned with `solver_options`) and print predicted vs measured peak and time
+    per step, then plain autograd's."""
     from remat.core.plan import load_plan
     from remat.core.units import format_bytes
     from remat.frontends.run import run_plan
 
+    from .budget import baseline_peak
     from .planning import plan as make_plan
     shape = parse_shape(args.input_shape)
     if args.plan is not None:
@@ -149,8 +151,10 @@ def run_run(args: Any, solver_options: dict) -> int:
             raise InvalidInputError("remat run: give MODEL with --budget, or --plan PLAN.json")
         model, inputs, name = load_model(args.model, batch=args.batch, input_shape=shape, full=args.full)
         from remat.frontends.tracing import trace
-        graph = trace(model, inputs, name=name, progress=not args.no_progress)
+        graph = trace(model, inputs, name=name, progress=not args.no_progress, **(trace_options or {}))
         graph.meta["model_spec"] = model_spec(args.model, args.batch, shape, args.full)
+        print(f"graph      {name}: {graph.n} nodes ({len(graph.forward_ids())} forward), fixed "
+              f"{format_bytes(graph.fixed_bytes)}, checkpoint-all peak {format_bytes(baseline_peak(graph))}")
         p = make_plan(graph, args.budget, args.solver, **solver_options)
         if args.output:
             p.save(args.output)
@@ -172,7 +176,8 @@ def run_run(args: Any, solver_options: dict) -> int:
           f"vs predicted {format_bytes(pr['host_peak_bytes'])}; median step {rep.step_time * 1e3:.4g} ms on {rep.device}")
     if rep.plain is not None:
         print(f"plain      autograd steps: peak {format_bytes(rep.plain.peak_bytes)}, time {rep.plain.time * 1e3:.4g} ms; "
-              f"planned/plain time {rep.step_time / rep.plain.time:.2f}x (predicted {pr['overhead']:.2f}x)")
+              f"planned/plain peak {rep.peak_bytes / rep.plain.peak_bytes:.2f}x, time "
+              f"{rep.step_time / rep.plain.time:.2f}x (predicted {pr['overhead']:.2f}x)")
     return 0
 
 

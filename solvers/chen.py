@@ -1,5 +1,5 @@
 """Chen et al. (2016) checkpointing baselines: sqrt(n) and greedy, over all forward nodes
-("linearized") or over articulation points ("-ap"), as Checkmate implements them (REFERENCES §2.2).
+("linearized") or over articulation points ("-ap"), as Checkmate implements them (docs/references.md, "Chen et al.").
 
 Every strategy here picks a checkpoint set K of forward nodes and hands it to
 `schedule_from_checkpoints`, the pipeline every checkpoint-set baseline shares, so the only thing

@@ -6,7 +6,7 @@ Here the program is the training graph in id order (forward, loss, backward) and
 trace becomes an ordinary bare op list (``compute`` / ``free``, ``stages`` None), which the
 simulator validates and the executor runs.
 
-The runtime loop (REFERENCES.md §3.2), per program op ``k`` (stage ``k`` in the emitted ops):
+The runtime loop (docs/references.md, "DTR"), per program op ``k`` (stage ``k`` in the emitted ops):
 
 1. *materialise inputs*: stamp each input's last access with the clock, lock the resident
    ones, rematerialise the evicted ones recursively (each rematerialisation is the same

@@ -1,4 +1,4 @@
-"""Griewank's binomial checkpointing (revolve) for chain graphs (REFERENCES §2.4).
+"""Griewank's binomial checkpointing (revolve) for chain graphs (docs/references.md, "Griewank").
 
 Revolve's model: a chain of l steps x_i = F_i(x_{i-1}), i = 1..l, reversed with s snapshot
 slots, one of them holding x_0.  ``rev(a, b, s)`` reverses steps a+1..b holding x_a: if one step
@@ -193,7 +193,7 @@ def chain_bound(graph: Graph, budget_bytes: int) -> float | None:
 
     So the forward computations besides the first pass number R >= t(l, s) - (l - 1), and the
     step takes at least total_time + R * (the cheapest forward time).  On unit chains this is the
-    exact optimum (revolve with the shift search reaches it: chain32 at 9 units, 126); on
+    exact optimum (revolve with the shift search reaches it; tests/test_chain_bound.py); on
     heterogeneous chains it is weaker.  Recompute only (a host copy is a snapshot that costs no
     device memory), backward nodes run once.
     """

@@ -1,4 +1,4 @@
-"""LP relaxation (a lower bound) and Checkmate's two-phase rounding (REFERENCES §1.8).
+"""LP relaxation (a lower bound) and Checkmate's two-phase rounding (docs/references.md, "Checkmate").
 
 `lower_bound` solves the LP relaxation of the ILP's model (`ilp.checkmate`) at the given budget: no
 schedule that fits can be faster, so it is the bound every plan reports against.

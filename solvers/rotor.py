@@ -1,14 +1,14 @@
 r"""Rotor's dynamic program over the chain of blocks a graph splits into, with per-block keep menus.
 
 The field's other family of planners (rotor, Beaumont et al. 2019; Rockmate, ICML 2023: see
-REFERENCES.md section 6.5) cuts the training graph at articulation points into a chain of blocks
+docs/references.md) cuts the training graph at articulation points into a chain of blocks
 and decides, by a dynamic program over (block range, memory), which block inputs to checkpoint
 and which blocks to run storing their activations.  This module is that family's baseline in
 remat, in our memory model and checked by our simulator; it is an upper-bound device (the
 optimum over a restricted class of schedules), never a bound.
 
 Blocks.  On a graph in Checkmate's layout (forward 0..m-1, loss m, the backward of forward v at
-2m - v) a forward position p is a cut when no forward edge jumps over it (every value made at or
+2m - v; `remat.core.analysis.checkmate_layout`) a forward position p is a cut (`analysis.cut_points`) when no forward edge jumps over it (every value made at or
 before p and read after it is p itself), no backward node of the right side reads a forward
 value before p, and none of the left side reads one after p.  Block b holds the forward nodes
 between two cuts, F_b, their backward nodes B_b, and outputs a_b (the cut value); the loss is
@@ -37,10 +37,8 @@ fits in bytes; exact bytes when the budget is at most `slots` times the sizes' g
 more than `MAX_BLOCKS` blocks are merged into that many.
 
 What it cannot do that the ILP does: a checkpoint stays resident for the whole sub-range it
-serves, and a block's recomputation happens where the recursion puts it.  Measured (recompute
-only, flops profile): ResNet-50 (depth 2) at 0.5x 1.100 against the ILP's 1.062, GPT-2 small
-(depth 3) at 0.5x 1.170 against 1.151; a unit chain of 32 layers at 9 units 134 (revolve's
-5-snapshot count) against the optimum 126, at 10 units 121, the optimum.
+serves, and a block's recomputation happens where the recursion puts it (its figures against
+the ILP's: docs/results.md).
 """
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 r"""Rebuild order inside a stage: the same plan with a lower peak.
 
-A staged schedule runs each stage's computes in id order (the contract of `remat.schedule`).
+A staged schedule runs each stage's computes in id order (the contract of `remat.core.schedule`).
 That order is one topological order of the stage's rebuilds among many, and not always the one
-with the lowest peak.  U-Net d3 at 0.3x, stage 70 of a plan rebuilds `inc`'s tail, `ups.3.up`
-and the concatenation `ups.3:cat` of the two, and `downs.0.conv.conv1` for a later stage; in id
-order `ups.3.up`'s input and `downs.0.conv.conv1` are resident while the concatenation is
-rebuilt (47 MiB over the budget), while rebuilding `ups.3.up` first and `downs.0.conv.conv1`
-after the concatenation fits.  Models that check memory only at instants
+with the lowest peak: a stage that rebuilds two branches and their concatenation, and a value for
+a later stage, may peak over in id order (one branch's input and the later value resident while
+the concatenation is rebuilt) and fit with the later value rebuilt after the concatenation.
+Models that check memory only at instants
 (the instant IP: `ilp.instant`) give such plans, and the simulator rejected them as over budget.
 
 `lower_peak` keeps every stage's computes (so every node runs as often, in the same stage, and

@@ -1,6 +1,6 @@
 """remat.apply: plans (recompute and swap) run on the CPU with plain autograd's loss and
-gradients, and the measured peak of a planned step is the plan's predicted peak (DESIGN.md,
-promise 1), at 1.0x, 0.5x and the tightest feasible budget; swapped bytes leave the device."""
+gradients, and the measured peak of a planned step is the plan's predicted peak (docs/design.md,
+"Predict = execute"), at 1.0x, 0.5x and the tightest feasible budget; swapped bytes leave the device."""
 from __future__ import annotations
 
 import copy
@@ -18,7 +18,7 @@ from remat.frontends.measuring import StorageTracker, unique_bytes  # noqa: E402
 from remat.solvers.ilp import min_feasible_budget  # noqa: E402
 from remat.core.schedule import Op, Schedule  # noqa: E402
 
-PEAK_TOLERANCE = 0.10   # DESIGN.md, promise 1
+PEAK_TOLERANCE = 0.10   # docs/design.md, "Predict = execute"
 # On the CPU both figures count tensor storages, so they agree to a few bytes (the step's own
 # small tensors); a leak of one activation shows up well inside the promise's 10 %.
 EXACT_TOLERANCE = 0.01

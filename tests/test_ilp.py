@@ -394,7 +394,7 @@ def test_chain_optimum_is_revolve_with_budget_minus_three_snapshots(n):
 
 def test_chain32_at_9_units_reaches_revolve_count_quickly():
     # was 133-134 from CBC in 40 s; the warm start gives 126 = 97 + t(32, 6) - 31: the lookahead
-    # replay reaches it alone (session 4), the shift search around revolve did before
+    # replay reaches it alone, the shift search around revolve did before
     # (test_shift_search_fits_revolve_with_one_more_snapshot)
     g = linear_chain(32)
     s = ilp.solve(g, 9, swap=False, time_limit=8)

@@ -62,7 +62,7 @@ def test_bound_lies_between_the_window_ip_and_the_optimum_and_the_plan_costs_the
                          ids=["random20s2", "random20s4", "unet3"])
 def test_rebuild_moments_raise_the_bound_and_stay_below_the_optimum(g, ratio, optimum, plain):
     # the optima were proven by the exact ILP alone (use_instant_ip=False: random20s4 in 16 s;
-    # random20s2 is session 5's case where the plain model stops 1.3 % short)
+    # random20s2 is a case where the plain model stops 1.3 % short)
     budget = parse_budget(ratio, g)
     base = instant.solve(g, budget, time_limit=30, threads=1)
     moments = instant.solve(g, budget, time_limit=60, threads=1, in_stage=True)

@@ -25,7 +25,7 @@ from remat.core.plan import Plan  # noqa: E402
 from remat.core.schedule import Op, Schedule  # noqa: E402
 from remat.solvers.ilp import min_feasible_budget  # noqa: E402
 
-PEAK_TOLERANCE = 0.10   # DESIGN.md, promise 1
+PEAK_TOLERANCE = 0.10   # docs/design.md, "Predict = execute"
 EXACT_TOLERANCE = 0.01  # what the CPU accounting actually gives (a few bytes)
 F32 = 4
 

@@ -155,7 +155,7 @@ def test_window_ip_bound_with_swap_holds_against_the_exact_swap_optimum(g, ratio
 
 # ---- the scalable mode against the exact ILP ------------------------------------------------------
 # cases the exact ILP proves optimal in seconds (each exercises a different path of the mode: the
-# knapsack bound, the coarse ILP, RINS, the whole fine ILP); benchmarks/SCALABLE_NOTES.md lists
+# knapsack bound, the coarse ILP, RINS, the whole fine ILP); benchmarks/scalable_small.py runs
 # the full sweep they come from, including the time-limited cases where the scalable mode wins
 CASES = [
     ("chain16", linear_chain(16), "0.6x"),

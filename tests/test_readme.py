@@ -1,0 +1,23 @@
+"""The README is a manual that works: its quickstart runs as written, and it stays short."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_the_readme_is_a_manual_of_at_most_400_lines():
+    assert len(README.read_text().splitlines()) <= 400
+
+
+def test_the_quickstart_runs_as_written(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("torch")
+    text = README.read_text()
+    section = text[text.index("## Quickstart"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md (quickstart)", "exec"), {"__name__": "__quickstart__"})
+    assert capsys.readouterr().out.startswith("optimal ") and (tmp_path / "plan.json").exists()
