@@ -23,7 +23,7 @@ The op list of stage t is (the contract every solver and the executor share):
 4. ``free i`` for every output still resident that is not kept into t+1.
 
 So a stage lasts fetch + max(compute, swap-out + swap-in) transfer/compute time: the ILP's time
-model (see solvers/ilp.py).
+model (`remat.solvers.ilp.checkmate`).
 A schedule may also be a bare op list (``stages`` None), as DTR's replay produces.
 """
 from __future__ import annotations
