@@ -176,8 +176,8 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
           f"vs predicted {format_bytes(pr['host_peak_bytes'])}; median step {rep.step_time * 1e3:.4g} ms on {rep.device}")
     if rep.plain is not None:
         print(f"plain      autograd steps: peak {format_bytes(rep.plain.peak_bytes)}, time {rep.plain.time * 1e3:.4g} ms; "
-              f"planned/plain peak {rep.peak_bytes / rep.plain.peak_bytes:.2f}x, time "
-              f"{rep.step_time / rep.plain.time:.2f}x (predicted {pr['overhead']:.2f}x)")
+              f"planned/plain time {rep.step_time / rep.plain.time:.2f}x (predicted {pr['overhead']:.2f}x), "
+              f"peak {rep.peak_bytes / rep.plain.peak_bytes:.2f}x")
     return 0
 
 
