@@ -3,8 +3,11 @@ from __future__ import annotations
 
 
 class RematError(Exception):
-    """Base class. `exit_code` is what the CLI returns: 1 runtime failure, 2 bad input."""
+    """Base class. `exit_code` is what the CLI returns: 1 runtime failure, 2 bad input.
+    `cli_hint`, when set, is what the command line adds to the message (the flag to change): the
+    message itself speaks to every caller, the Python API's too."""
     exit_code = 1
+    cli_hint: str | None = None
 
 
 class InvalidInputError(RematError, ValueError):

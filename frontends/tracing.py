@@ -28,6 +28,7 @@ from .profile import FlopsModel
 log = logging.getLogger(__name__)
 
 GRANULARITIES = ("module", "op", "joint", "op-stages")
+FEW_NODES = 4  # a module graph with fewer forward nodes than this gets a warning naming the finer options
 
 
 def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
@@ -88,7 +89,15 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
     frontend = ModuleFrontend(granularity, depth, capture_with, backward_edges)
     ctx = prepare(frontend, model, example_inputs, progress=progress, **options)
     ctx.notes.extend(notes)
-    return trace_with(frontend, ctx)
+    graph = trace_with(frontend, ctx)
+    forward = len(graph.forward_ids())
+    if granularity == "module" and forward < FEW_NODES:
+        # (a wrapper with one child, say: its whole network is one node, which a plan can only keep
+        # or recompute whole)
+        log.warning("%s traced to %d forward node%s at depth %d: a plan can only keep or recompute each whole; "
+                    "for finer plans trace at depth=%d or more (--depth), or granularity='op' (--granularity op)",
+                    ctx.name, forward, "" if forward == 1 else "s", depth, depth + 1)
+    return graph
 
 
 __all__ = ["trace", "default_loss", "fixed_bytes", "GRANULARITIES", "PROFILES", "CAPTURES"]

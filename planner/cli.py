@@ -51,7 +51,8 @@ def _fmt_overhead(x: float | None) -> str:
 # ---- plan ----------------------------------------------------------------------------
 def solver_options(args: argparse.Namespace) -> dict:
     """The solver options of `remat plan`, `sweep` and `run` from their arguments."""
-    opts: dict[str, Any] = {"swap": not args.no_swap, "time_limit": args.time_limit, "gap": args.gap}
+    swap = False if args.no_swap else True if args.swap else None  # (None: `planning.default_swap`)
+    opts: dict[str, Any] = {"swap": swap, "time_limit": args.time_limit, "gap": args.gap}
     if args.threads is not None:
         opts["threads"] = args.threads
     if args.backend is not None:
@@ -341,7 +342,10 @@ def trace_options(args: argparse.Namespace) -> dict:
 
 
 def _add_solver_options(p: argparse.ArgumentParser, time_limit: float) -> None:
-    p.add_argument("--no-swap", action="store_true", help="plan recomputation only (no host offload)")
+    sw = p.add_mutually_exclusive_group()
+    sw.add_argument("--no-swap", action="store_true", help="plan recomputation only (no host offload)")
+    sw.add_argument("--swap", action="store_true", help="let plans swap to host memory even for a graph traced "
+                    "on a CPU (whose host is the same RAM; without --swap such plans do not swap)")
     p.add_argument("--time-limit", type=_positive_float, default=time_limit, metavar="SECONDS",
                    help=f"solver time limit per solve (default {time_limit:g})")
     p.add_argument("--gap", type=_nonneg_float, default=0.0,
@@ -512,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RematError as e:
         if debug:
             raise
-        print(f"remat: error: {e}", file=sys.stderr)
+        print(f"remat: error: {e}" + (f" {e.cli_hint}" if e.cli_hint else ""), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("remat: error: interrupted", file=sys.stderr)

@@ -28,19 +28,20 @@ log = logging.getLogger(__name__)
 MIN_BUDGET_TIME_LIMIT = 10.0
 
 
-def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", *, swap: bool = True,
+def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", *, swap: bool | None = None,
          time_limit: float = 60.0, gap: float = 0.0, **options: Any) -> Plan:
     """Plan `graph` (a Graph or a path to a graph.json) to fit `budget` with the named solver.
 
-    `budget` is anything `parse_budget` reads (``"6GiB"``, ``"0.5x"``, bytes).  ``swap``,
-    ``time_limit`` (seconds), ``gap`` (relative) and the other ``options`` (``threads``,
-    ``backend``, ``warm_start``...) go to the solver; strategies that do not use an option
-    ignore it.  Raises `InfeasibleBudgetError` naming the smallest feasible budget found when
-    no schedule fits, `InvalidInputError` for a bad budget or solver name.
+    `budget` is anything `parse_budget` reads (``"6GiB"``, ``"0.5x"``, bytes).  ``swap``
+    (None: `default_swap`), ``time_limit`` (seconds), ``gap`` (relative) and the other
+    ``options`` (``threads``, ``backend``, ``warm_start``...) go to the solver; strategies that do
+    not use an option ignore it.  Raises `InfeasibleBudgetError` naming the smallest feasible
+    budget found when no schedule fits, `InvalidInputError` for a bad budget or solver name.
     """
     if not isinstance(graph, Graph):
         graph = Graph.load(graph)
     graph = _with_bandwidth(graph, options)
+    swap = default_swap(graph, solver) if swap is None else swap
     budget_bytes = parse_budget(budget, graph)
     schedule, res, wall = _solve(graph, budget_bytes, solver, swap=swap, time_limit=time_limit, gap=gap,
                                  **options)
@@ -48,6 +49,18 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
                            {"swap": swap, "time_limit": time_limit, "gap": gap, **options})
     schedule.report = dict(report)
     return Plan(graph, schedule, budget_bytes, report, predicted_from(graph, res))
+
+
+def default_swap(graph: Graph, solver: str) -> bool:
+    """Whether a plan swaps when the caller does not say: not for a graph traced on a CPU, whose
+    "host" is the same memory (a swap there saves nothing), unless the solver only swaps (tflms);
+    yes otherwise (a GPU's graph, a synthetic one)."""
+    on_cpu = str(graph.meta.get("device", "")).startswith("cpu")
+    if on_cpu and solver != "tflms":
+        log.info("the graph was traced on a CPU, whose host memory is the same RAM: planning without swap "
+                 "(ask for it with swap=True, or --swap)")
+        return False
+    return True
 
 
 def _with_bandwidth(graph: Graph, options: dict) -> Graph:
@@ -100,28 +113,36 @@ def explain_infeasible(graph: Graph, budget_bytes: int, solver: str, err: Infeas
                        swap: bool = True, time_limit: float | None = None) -> InfeasibleBudgetError:
     """An `InfeasibleBudgetError` whose message names the smallest feasible budget found.
 
-    Uses the solver's own figures when it gave them; otherwise asks
-    ``remat.solvers.ilp.min_feasible_budget`` (short time limit), and if that is not available,
-    the smallest peak of the baselines with a simple lower bound (the largest single node with
-    its inputs, plus the fixed bytes).
+    Uses the solver's own figures when it gave them; otherwise, within `MIN_BUDGET_TIME_LIMIT`
+    seconds (or the solve's shorter limit), asks ``remat.solvers.ilp.min_feasible_budget`` where
+    its model can be built in that time (its size predicted as the scalable mode predicts it),
+    else, or when it fails, the smallest budget a DTR replay fits (bisection) and the baselines'
+    smallest peak, with a simple lower bound (the largest single node with its inputs, plus the
+    fixed bytes; without swap, also what every schedule holds at some first compute).
     """
     found, bound, source = err.min_feasible_bytes, err.min_feasible_lower_bound, solver
     if found is None:
         limit = MIN_BUDGET_TIME_LIMIT if time_limit is None else max(1.0, min(float(time_limit),
                                                                              MIN_BUDGET_TIME_LIMIT))
+        deadline = time.perf_counter() + limit
         try:
-            from remat.solvers.ilp import min_feasible_budget
+            from remat.solvers.ilp import min_feasible_budget, scalable
+            build = scalable.BUILD_S_PER_UNIT * scalable.model_units(graph) * (3 if swap else 1)
+            if build > 0.5 * limit:
+                raise SolverError(f"its model would take about {build:.0f} s to build, over the time for it")
             found, bound = min_feasible_budget(graph, swap=swap, time_limit=limit)
             source = "ilp"
         except (ImportError, RematError) as e:
-            log.warning("could not compute the smallest feasible budget with the ILP (%s); "
-                        "using the baselines instead", e)
-            found, bound, source = _baseline_min_budget(graph)
+            log.info("the smallest feasible budget without the ILP (%s): replays and baselines", e)
+            found, bound, source = _replay_min_budget(graph, swap, deadline)
     elif source != "ilp" and bound is None:
         bound = _simple_lower_bound(graph)
-    return InfeasibleBudgetError(
+    out = InfeasibleBudgetError(
         infeasible_message(graph, budget_bytes, solver, int(found), None if bound is None else int(bound), source),
         budget_bytes, int(found), None if bound is None else int(bound), graph.fixed_bytes)
+    out.cli_hint = (f"Use --budget {int(found)} or more." if budget_bytes < found
+                    else "Use --solver ilp, or a larger --budget for this solver.")
+    return out
 
 
 def infeasible_message(graph: Graph, budget_bytes: int, solver: str, found: int, bound: int | None,
@@ -131,8 +152,8 @@ def infeasible_message(graph: Graph, budget_bytes: int, solver: str, found: int,
              f"schedule can remove them" if graph.fixed_bytes else "none of it is fixed bytes")
     if budget_bytes >= found:
         return (f"solver {solver!r} found no schedule within the budget {format_bytes_exact(budget_bytes)}, "
-                f"but {by} found one that needs {format_bytes_exact(found)}: use --solver ilp, or a "
-                "larger budget for this solver")
+                f"but {by} found one that needs {format_bytes_exact(found)}: plan with the solver 'ilp', or "
+                "with a larger budget for this solver.")
     if bound is not None and bound >= found:
         need = f"a schedule needs at least {format_bytes_exact(found)} (found by {by}; proven lower bound " \
                f"{format_bytes(bound)})"
@@ -140,7 +161,7 @@ def infeasible_message(graph: Graph, budget_bytes: int, solver: str, found: int,
         lb = f"; proven lower bound {format_bytes(bound)}" if bound is not None else ""
         need = f"the smallest schedule found needs {format_bytes_exact(found)} (found by {by}{lb})"
     return (f"budget {format_bytes_exact(budget_bytes)} is below the smallest feasible budget: {need}; "
-            f"{fixed}. Use --budget {found} or more.")
+            f"{fixed}. A budget of {found} bytes or more fits.")
 
 
 def _simple_lower_bound(graph: Graph) -> int:
@@ -161,6 +182,31 @@ def _baseline_min_budget(graph: Graph) -> tuple[int, int, str]:
     return best[0], _simple_lower_bound(graph), best[1]
 
 
+def _replay_min_budget(graph: Graph, swap: bool, deadline: float) -> tuple[int, int, str]:
+    """(smallest budget found, a lower bound, what found it): the baselines' smallest peak, then a
+    bisection on the budget with DTR's replay (milliseconds each) until `deadline`; the bound is
+    the largest node with its inputs, and without swap what every schedule holds at some first
+    compute (`forced_need`)."""
+    from remat.core.analysis import forced_need
+    from remat.solvers import dtr
+    found, bound, source = _baseline_min_budget(graph)
+    if not swap:
+        bound = max(bound, forced_need(graph))
+    lo = bound
+    while lo < found and time.perf_counter() < deadline:
+        mid = (lo + found) // 2
+        try:
+            peak = simulate(graph, dtr.solve(graph, mid)).peak_bytes
+        except InfeasibleBudgetError:
+            lo = mid + 1
+            continue
+        if peak < found:
+            found, source = peak, "dtr"
+        else:  # (a replay at a budget fits at most that budget)
+            lo = mid + 1
+    return found, min(bound, found), source
+
+
 # ---- sweeps --------------------------------------------------------------------------
 SWEEP_COLUMNS = ("budget_bytes", "budget_ratio", "solver", "status", "time", "overhead", "peak_bytes",
                  "lower_bound", "gap", "wall_time")
@@ -178,6 +224,7 @@ def sweep(graph: Graph, budgets: Sequence[int], solvers: Sequence[str], **option
     """
     from remat import solvers as registry
     graph = _with_bandwidth(graph, options)
+    asked = options.pop("swap", None)
     for name in solvers:  # unknown names fail before any solving
         registry.get(name)
     base = baseline_peak(graph)
@@ -187,7 +234,8 @@ def sweep(graph: Graph, budgets: Sequence[int], solvers: Sequence[str], **option
             row.update(budget_bytes=int(budget), budget_ratio=budget / base if base else None, solver=name)
             t0 = time.perf_counter()
             try:
-                schedule, res, wall = _solve(graph, int(budget), name, explain=False, **options)
+                swap = default_swap(graph, name) if asked is None else asked
+                schedule, res, wall = _solve(graph, int(budget), name, explain=False, swap=swap, **options)
             except InfeasibleBudgetError:
                 row.update(status="infeasible", wall_time=time.perf_counter() - t0)
             except InvalidInputError as e:
@@ -206,4 +254,4 @@ def sweep(graph: Graph, budgets: Sequence[int], solvers: Sequence[str], **option
             yield row
 
 
-__all__ = ["plan", "sweep", "explain_infeasible", "infeasible_message", "SWEEP_COLUMNS"]
+__all__ = ["plan", "sweep", "default_swap", "explain_infeasible", "infeasible_message", "SWEEP_COLUMNS"]

@@ -278,3 +278,19 @@ def test_process_exit_codes(tmp_path, graph_path):
 def test_debug_shows_traceback(tmp_path):
     r = _proc("--debug", "plan", tmp_path / "missing.json", "--budget", "1", "-o", tmp_path / "p.json")
     assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_plan_of_a_cpu_graph_swaps_only_with_swap(capsys, tmp_path):
+    g = linear_chain(8)
+    path = tmp_path / "cpu.json"
+    remat.Graph(g.nodes, g.edges, g.fixed_bytes, {**g.meta, "device": "cpu"}).save(path)
+    swaps = {}
+    for flag in ("", "--swap", "--no-swap"):
+        out = tmp_path / f"p{flag}.json"
+        code, _, err = run(capsys, "plan", path, "--budget", "0.4x", "--time-limit", "20", *([flag] if flag else []),
+                           "-o", out)
+        assert code == 0, err
+        swaps[flag] = sum(op.op == "swap_out" for op in remat.load_plan(out).schedule.ops)
+    assert swaps[""] == 0 == swaps["--no-swap"] and swaps["--swap"] > 0
+    code, _, err = run(capsys, "plan", path, "--budget", "0.4x", "--swap", "--no-swap", "-o", tmp_path / "x.json")
+    assert code == 2 and "not allowed with" in err

@@ -568,3 +568,31 @@ def test_host_pool_counts_what_each_buffer_stands_for_and_reuses_buffers_by_size
     called = []
     on_autograd_thread(lambda: called.append(torch.is_grad_enabled()), torch.device("cpu"))
     assert called == [False]   # run as a backward runs: grad mode off
+
+
+def test_a_model_that_traces_to_a_few_nodes_gets_a_warning_naming_the_finer_options(caplog):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+    class Wrapper(nn.Module):  # one child: at depth 1 the whole network is one node
+        def __init__(self):
+            super().__init__()
+            self.net = Net()
+
+        def forward(self, x):
+            return self.net(x)
+
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        g = trace(Wrapper(), (x,), profile="flops")
+    assert len(g.forward_ids()) == 1
+    assert "traced to 1 forward node at depth 1" in caplog.text and "depth=2" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        g = trace(Wrapper(), (x,), profile="flops", depth=2)
+    assert len(g.forward_ids()) >= 4 and "forward node" not in caplog.text

@@ -263,7 +263,8 @@ def test_infeasible_budget_names_smallest_feasible(chain8_fixed):
     assert err.min_feasible_lower_bound is None or err.min_feasible_lower_bound <= err.min_feasible_bytes
     msg = str(err)
     assert "budget 5 B is below the smallest feasible budget" in msg
-    assert f"--budget {err.min_feasible_bytes} or more" in msg
+    assert f"A budget of {err.min_feasible_bytes} bytes or more fits." in msg and "--budget" not in msg
+    assert err.cli_hint == f"Use --budget {err.min_feasible_bytes} or more."  # (what the command line adds)
     assert "3 B of it are fixed" in msg
 
 
@@ -271,14 +272,15 @@ def test_infeasible_ilp(chain8_fixed):
     with pytest.raises(InfeasibleBudgetError) as e:
         remat.plan(chain8_fixed, budget=4, solver="ilp", time_limit=20)
     assert e.value.min_feasible_bytes == 7
-    assert "Use --budget 7 or more" in str(e.value)
+    assert "A budget of 7 bytes or more fits" in str(e.value)
 
 
 def test_heuristic_infeasible_above_minimum_suggests_ilp(chain8_fixed):
     # checkpoint-all needs 13 bytes; 8 fits the ILP: the message says so instead of "below the minimum"
     with pytest.raises(InfeasibleBudgetError) as e:
         remat.plan(chain8_fixed, budget=8, solver="checkpoint-all", time_limit=20)
-    assert "--solver ilp" in str(e.value)
+    assert "plan with the solver 'ilp'" in str(e.value) and "--solver" not in str(e.value)
+    assert "--solver ilp" in e.value.cli_hint
     assert e.value.min_feasible_bytes <= 8
 
 
@@ -294,6 +296,41 @@ def test_explain_infeasible_falls_back_to_baselines(chain8_fixed, monkeypatch):
     # checkpoint-last-node peaks at fixed 3 + 4; a backward node with its three inputs needs 3 + 4
     assert err.min_feasible_bytes == 7 and err.min_feasible_lower_bound == 7
     assert "found by checkpoint-last-node" in str(err) and "proven lower bound 7 B" in str(err)
+
+
+def test_explain_infeasible_on_a_large_graph_keeps_to_its_time(monkeypatch):
+    # a 401-node graph: Checkmate's model would take minutes to build, outside any time limit; the
+    # smallest budget comes from DTR's replays instead, checked and bounded, within the limit
+    import time
+
+    import remat.solvers.ilp as ilp
+    from remat.generators import random_layered
+    from remat.planning import explain_infeasible
+
+    def not_asked(*a, **k):
+        raise AssertionError("the full model was built")
+    monkeypatch.setattr(ilp, "min_feasible_budget", not_asked)
+    g = random_layered(200, seed=0)
+    t0 = time.perf_counter()
+    err = explain_infeasible(g, 10, "dtr", InfeasibleBudgetError("x", 10), swap=False, time_limit=5)
+    assert time.perf_counter() - t0 < 5.0
+    found, bound = err.min_feasible_bytes, err.min_feasible_lower_bound
+    assert bound <= found and remat.simulate(g, remat.solvers.get("dtr")(g, found)).peak_bytes <= found
+    assert "below the smallest feasible budget" in str(err)
+
+
+def test_a_graph_traced_on_a_cpu_is_planned_without_swap_unless_asked():
+    # on a CPU the "host" is the same RAM: a swap saves nothing there
+    g = linear_chain(8)  # a unit chain with a slow host link: at 0.4x the ILP swaps when it may
+    cpu = remat.Graph(g.nodes, g.edges, g.fixed_bytes, {**g.meta, "device": "cpu"})
+
+    def swaps(p):
+        return sum(op.op == "swap_out" for op in p.schedule.ops)
+    assert swaps(remat.plan(g, "0.4x", time_limit=20)) > 0  # (no device: as before, swap allowed)
+    auto = remat.plan(cpu, "0.4x", time_limit=20)
+    assert swaps(auto) == 0 and auto.solver["options"]["swap"] is False
+    assert swaps(remat.plan(cpu, "0.4x", swap=True, time_limit=20)) > 0
+    assert remat.plan(cpu, "0.6x", "tflms").solver["options"]["swap"] is True  # (it only swaps)
 
 
 # ---- ILP through the API ---------------------------------------------------------------

@@ -246,8 +246,8 @@ class ExactSolve:
         if out["infeasible"] and warm_ is not None:
             # CBC's preprocessing sometimes declares large models infeasible although a schedule
             # that satisfies every row is known: trust the schedule
-            log.warning("CBC reported the model infeasible (%s), but the %s schedule fits it; "
-                        "returning the best known schedule", out["result"], warm_.report.get("name"))
+            log.info("CBC reported the model infeasible (%s), but the %s schedule fits it; "
+                     "returning the best known schedule", out["result"], warm_.report.get("name"))
             report["solver_result"] += " (contradicted by a known feasible schedule)"
             out.update(infeasible=False, sol_status=0, bound=None, proven=False)
         elif out["infeasible"] and self.backend == "cbc":
@@ -302,7 +302,7 @@ class ExactSolve:
         if bound is not None and not proven and above_incumbent(bound):
             # CBC interrupted inside its root cut loop can print a garbage bound; a bound above a
             # schedule we hold is no bound
-            log.warning("discarding the solver's lower bound %.6g (above the incumbent %.6g)", bound, objective)
+            log.info("discarding the solver's lower bound %.6g (above the incumbent %.6g)", bound, objective)
             bound = None
         if bound is None:  # the solver gave none (crash, or stopped before its root bound): use the LP
             left = self.left()
@@ -331,7 +331,7 @@ class ExactSolve:
             if proven or value is None:
                 return
             if above_incumbent(value):
-                log.warning("discarding the %s's bound %.6g (above the incumbent %.6g)", source, value, objective)
+                log.info("discarding the %s's bound %.6g (above the incumbent %.6g)", source, value, objective)
             elif bound is None or value > bound * (1 + 1e-12):
                 bound = value
                 report["bound_from"] = source

@@ -365,7 +365,7 @@ def run(m: Any, backend: str, time_limit: float | None, gap: float, threads: int
             # is still evaluating the MIP start; solve again without it (the caller keeps the
             # warm start as a fallback incumbent).
             left = None if time_limit is None else max(1.0, time_limit - (_time.perf_counter() - t0))
-            log.warning("CBC crashed while using the warm start; solving again without it (%s s)", left)
+            log.info("CBC crashed while using the warm start; solving again without it (%s s)", left)
             try:
                 info = run_cbc(m, left, gap, threads, False, msg, options, cb, stop)
             except pulp.PulpSolverError as e:

@@ -308,8 +308,8 @@ class ScalableSearch:
         log.info("ilp-scalable: bound %.6g from %s (%.1f s)", value, source, _time.perf_counter() - self.t0)
         if value > self.best_time * (1 + 1e-6) + 1e-12:
             # above a schedule the simulator accepted: no bound (a solver's garbage, or a bug)
-            log.warning("ilp-scalable: discarding the %s bound %.6g (above the incumbent %.6g)", source, value,
-                        self.best_time)
+            log.info("ilp-scalable: discarding the %s bound %.6g (above the incumbent %.6g)", source, value,
+                     self.best_time)
             return
         if value > self.bound * (1 + 1e-12):
             self.bound, self.bound_from = value, source
