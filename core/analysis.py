@@ -4,9 +4,9 @@ Instants.  Every frontier-advancing schedule (staged, or an op list in program o
 node t for the first time in id order; *instant t* is that moment.  Only forward values are ever
 recomputed (autograd runs each backward node once), so at instant t every schedule holds:
 
-* t's output and workspace, and the non-forward values (gradients, the loss) computed before t
-  and read at t or later (`instant_loads`; the latter alone, alive across the interval between
-  instants t-1 and t: `interval_loads`);
+* t's output and workspace, the non-forward values (gradients, the loss) computed before t and
+  read at t or later, and the persistent bytes of every node before t (`instant_loads`; the
+  latter two alone, alive across the interval between instants t-1 and t: `interval_loads`);
 * t's forward inputs (`forced_loads` adds them).
 
 `free_room` is what a budget leaves beyond that; `forced_need` the smallest whole-step budget
@@ -39,9 +39,9 @@ def horizons(graph: Graph) -> list[int]:
 
 def interval_loads(graph: Graph) -> list[int]:
     """Per t: the bytes of non-forward values computed before t and read at t or later
-    (gradients and the loss, never recomputed, stay resident): alive at instant t and across the
-    interval between instants t-1 and t."""
-    load = [0] * graph.n
+    (gradients and the loss, never recomputed, stay resident), and the persistent bytes of the
+    nodes before t: alive at instant t and across the interval between instants t-1 and t."""
+    load = list(graph.persistent_before)
     for v, node in enumerate(graph.nodes):
         if node.kind != "forward" and graph.succs[v]:
             for t in range(v + 1, max(graph.succs[v]) + 1):
@@ -51,7 +51,7 @@ def interval_loads(graph: Graph) -> list[int]:
 
 def instant_loads(graph: Graph) -> list[int]:
     """Per instant t: the bytes resident besides forward values (t's output and workspace, and
-    `interval_loads`)."""
+    `interval_loads`; t's own persistent bytes count after it: `remat.core.simulate`)."""
     return [alive + graph.nodes[t].bytes + graph.nodes[t].workspace_bytes
             for t, alive in enumerate(interval_loads(graph))]
 
@@ -75,8 +75,9 @@ def free_room(graph: Graph, budget_bytes: int) -> list[int]:
 def forced_need(graph: Graph) -> int:
     """Whole-step bytes below which no recompute-only schedule exists: at the instant node t is
     first computed, t's output and workspace, its inputs, and every non-forward value that a
-    later node reads are resident (only forward nodes are recomputed): `forced_loads`."""
-    return max(forced_loads(graph), default=0) + graph.fixed_bytes
+    later node reads are resident (only forward nodes are recomputed): `forced_loads`; and at
+    the step's end every persistent byte."""
+    return max(list(forced_loads(graph)) + [graph.persistent_total]) + graph.fixed_bytes
 
 
 def check_forced_need(graph: Graph, budget_bytes: int) -> None:
@@ -92,9 +93,11 @@ def check_forced_need(graph: Graph, budget_bytes: int) -> None:
 
 
 def node_need(graph: Graph) -> int:
-    """Whole-step bytes the largest node needs with its inputs and workspace: no budget goes lower."""
-    return max(v.bytes + v.workspace_bytes + sum(graph.nodes[u].bytes for u in set(graph.preds[v.id]))
-               for v in graph.nodes) + graph.fixed_bytes
+    """Whole-step bytes the largest node needs with its inputs and workspace (and the persistent
+    bytes of the nodes before it; all of them at the step's end): no budget goes lower."""
+    before = graph.persistent_before
+    return max([v.bytes + v.workspace_bytes + before[v.id] + sum(graph.nodes[u].bytes for u in set(graph.preds[v.id]))
+                for v in graph.nodes] + [graph.persistent_total]) + graph.fixed_bytes
 
 
 def check_budget(graph: Graph, budget_bytes: int) -> None:

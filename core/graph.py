@@ -5,13 +5,17 @@ A `Graph` is a DAG of forward, loss and backward nodes whose ids are a topologic
 
 * ``time``: seconds to compute it once;
 * ``bytes``: bytes of its output, allocated when it runs and held until freed;
-* ``workspace_bytes``: transient bytes that live only while it runs.
+* ``workspace_bytes``: transient bytes that live only while it runs;
+* ``persistent_bytes``: bytes it allocates at its first run that stay allocated to the end of
+  the step: the parameter gradients it accumulates first (PyTorch's default loop,
+  ``zero_grad(set_to_none=True)``, allocates each gradient there).
 
-``fixed_bytes`` is memory resident for the whole step (parameters, gradients, inputs,
-optimizer state); no schedule can remove it and every budget includes it.  A breakdown of it
-may sit in ``meta["fixed_breakdown"]``.
+``fixed_bytes`` is memory resident for the whole step (parameters, inputs, optimizer state, and
+the gradients when the loop keeps them, ``meta["grads"] == "resident"``); no schedule can remove
+it and every budget includes it.  A breakdown of it may sit in ``meta["fixed_breakdown"]``.
 
-JSON format (``remat.graph``, version 1)::
+JSON format (``remat.graph``; version 2 when a node has ``persistent_bytes``, else 1, so a graph
+without them reads as before; both versions load)::
 
     {"format": "remat.graph", "version": 1,
      "nodes": [{"id": 0, "name": "fc1", "kind": "forward", "time": 1e-3, "bytes": 4096,
@@ -33,7 +37,8 @@ from typing import Any, Iterable
 from .errors import InvalidInputError
 
 FORMAT = "remat.graph"
-VERSION = 1
+VERSION = 2
+VERSIONS = (1, 2)  # what this remat reads (1: no persistent bytes)
 KINDS = ("forward", "loss", "backward")
 DEFAULT_BANDWIDTH = 16e9  # bytes/s, host<->device, until a frontend measures it
 
@@ -47,10 +52,13 @@ class Node:
     bytes: int
     workspace_bytes: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    persistent_bytes: int = 0
 
     def to_dict(self) -> dict:
         d = {"id": self.id, "name": self.name, "kind": self.kind, "time": self.time,
              "bytes": self.bytes, "workspace_bytes": self.workspace_bytes}
+        if self.persistent_bytes:  # (absent when 0: a graph without them hashes and reads as before)
+            d["persistent_bytes"] = self.persistent_bytes
         d.update(self.extra)
         return d
 
@@ -87,6 +95,20 @@ class Graph:
         for a, b in self.edges:
             s[a].append(b)
         return s
+
+    @cached_property
+    def persistent_before(self) -> list[int]:
+        """Per node t: the persistent bytes of the nodes before it, all allocated when t first runs
+        (first computes come in id order)."""
+        out, acc = [], 0
+        for v in self.nodes:
+            out.append(acc)
+            acc += v.persistent_bytes
+        return out
+
+    @property
+    def persistent_total(self) -> int:
+        return sum(v.persistent_bytes for v in self.nodes)
 
     @property
     def times(self) -> list[float]:
@@ -131,7 +153,7 @@ class Graph:
                 raise InvalidInputError(f"{where}.kind: unknown kind {v.kind!r}; expected one of {KINDS}")
             if not isinstance(v.time, (int, float)) or not math.isfinite(v.time) or v.time < 0:
                 raise InvalidInputError(f"{where}.time: must be a finite number >= 0, got {v.time!r}")
-            for key in ("bytes", "workspace_bytes"):
+            for key in ("bytes", "workspace_bytes", "persistent_bytes"):
                 val = getattr(v, key)
                 if not isinstance(val, int) or isinstance(val, bool) or val < 0:
                     raise InvalidInputError(f"{where}.{key}: must be an integer >= 0, got {val!r}")
@@ -161,7 +183,7 @@ class Graph:
 
     # ---- serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "version": VERSION,
+        return {"format": FORMAT, "version": VERSION if self.persistent_total else 1,
                 "nodes": [v.to_dict() for v in self.nodes],
                 "edges": [list(e) for e in self.edges],
                 "fixed_bytes": self.fixed_bytes, "meta": self.meta}
@@ -172,8 +194,9 @@ class Graph:
             raise InvalidInputError("graph: expected a JSON object")
         if d.get("format") != FORMAT:
             raise InvalidInputError(f"graph.format: expected {FORMAT!r}, got {d.get('format')!r}")
-        if d.get("version") != VERSION:
-            raise InvalidInputError(f"graph.version: this remat reads version {VERSION}, got {d.get('version')!r}")
+        if d.get("version") not in VERSIONS:
+            raise InvalidInputError(f"graph.version: this remat reads versions {', '.join(map(str, VERSIONS))}, "
+                                    f"got {d.get('version')!r}")
         for key in ("nodes", "edges"):
             if not isinstance(d.get(key), list):
                 raise InvalidInputError(f"graph.{key}: missing or not a list")
@@ -185,10 +208,13 @@ class Graph:
                 if key not in nd:
                     raise InvalidInputError(f"graph.nodes[{idx}].{key}: missing")
             extra = {k: v for k, v in nd.items()
-                     if k not in ("id", "name", "kind", "time", "bytes", "workspace_bytes")}
+                     if k not in ("id", "name", "kind", "time", "bytes", "workspace_bytes", "persistent_bytes")}
+            if d["version"] == 1 and "persistent_bytes" in nd:
+                raise InvalidInputError(f"graph.nodes[{idx}].persistent_bytes: not in version 1; write version 2")
             nodes.append(Node(id=nd["id"], name=str(nd.get("name", f"n{nd['id']}")), kind=nd["kind"],
                               time=nd["time"], bytes=nd["bytes"],
-                              workspace_bytes=nd.get("workspace_bytes", 0), extra=extra))
+                              workspace_bytes=nd.get("workspace_bytes", 0), extra=extra,
+                              persistent_bytes=nd.get("persistent_bytes", 0)))
         edges = []
         for idx, e in enumerate(d["edges"]):
             if not (isinstance(e, (list, tuple)) and len(e) == 2 and all(isinstance(x, int) for x in e)):

@@ -11,13 +11,17 @@ Every solver's schedule, the ILP's objective and the executor's measurements are
 Op semantics (docs/design.md, "Op semantics"):
 ``compute i`` needs every input of i resident on the device; an input whose swap-in is still
 in flight makes the compute stream wait for it; it allocates i's output (and, while it runs,
-its workspace).  ``free i`` releases i's device bytes (it must not race an in-flight transfer of
+its workspace).  i's first compute also allocates its persistent bytes, which stay to the step's
+end; its workspace covers them while it runs, and they count from the next op that allocates
+(a compute or a swap-in; or the step's end) on, so the frees right after i come first: a
+backward node that allocates its parameter gradients while autograd frees the tensors it read
+(a module's backward) is counted as it runs.  ``free i`` releases i's device bytes (it must not race an in-flight transfer of
 i: ``wait i`` first).  ``swap_out i`` copies a resident i to the host (its device copy stays
 until a ``free i``).  ``swap_in i`` copies a host copy back, allocating the device bytes when it
 is issued.  ``wait i`` blocks the compute stream until i's last transfer is done.
 
-Device bytes = fixed bytes + resident outputs (+ workspace of the running node); the peak is
-taken over every op.  Host bytes count the host copies made by swap-outs.  Total time is when
+Device bytes = fixed bytes + resident outputs + the persistent bytes counted so far (+ workspace
+of the running node); the peak is taken over every op and the step's end.  Host bytes count the host copies made by swap-outs.  Total time is when
 both streams are done.  The first violated rule stops the replay and is reported.
 
 `SimState` is the same model one op at a time, for every replay that builds or inspects a
@@ -33,8 +37,9 @@ from typing import Iterable
 from .graph import Graph
 from .schedule import Op, Schedule
 
-# how a resident value's device copy got there (`SimState.origin`, `SimState.bytes_by_origin`)
-ORIGINS = ("computed", "recomputed", "swapped in")
+# how a resident value's device copy got there (`SimState.origin`, `SimState.bytes_by_origin`), and
+# the persistent bytes of the nodes computed so far
+ORIGINS = ("computed", "recomputed", "swapped in", "persistent")
 
 
 @dataclass
@@ -72,9 +77,10 @@ class SimResult:
 class SimState:
     """The simulator's state between two ops of a schedule (module docstring).
 
-    Starts empty, or, for a replay of a fragment, with `resident` values on the device and
-    `live_bytes` activation bytes (default: the resident values' bytes; a fragment may count
-    only what it adds above its caller's).  `apply(op)`, or `compute(i)`, `free(i)`, `swap_out(i)`,
+    Starts empty, or, for a replay of a fragment, with `resident` values on the device, the nodes
+    `computed` before it (their persistent bytes resident, their computes no longer first) and
+    `live_bytes` activation bytes (default: the resident values' bytes and the computed nodes'
+    persistent bytes; a fragment may count only what it adds above its caller's).  `apply(op)`, or `compute(i)`, `free(i)`, `swap_out(i)`,
     `swap_in(i)`, `wait(i)`, performs one op and returns the rule it violates (a message; the
     state is then undefined) or None.  With ``check=False`` no rule is checked (a replay whose
     program is valid by construction and is simulated as a whole afterwards), which is faster.
@@ -90,10 +96,10 @@ class SimState:
 
     __slots__ = ("graph", "bandwidth", "check", "origin", "on_host", "xfer_end", "swap_in_end", "clock", "xclock",
                  "live", "during", "peak", "host", "host_peak", "compute_time", "transfer_time", "counts",
-                 "bytes_by_origin", "last_start", "last_end", "_nodes", "_preds")
+                 "bytes_by_origin", "last_start", "last_end", "pending", "_nodes", "_preds")
 
     def __init__(self, graph: Graph, bandwidth: float | None = None, *, resident: Iterable[int] = (),
-                 live_bytes: int | None = None, check: bool = True):
+                 computed: Iterable[int] = (), live_bytes: int | None = None, check: bool = True):
         self.graph = graph
         self.bandwidth = float(bandwidth if bandwidth is not None else graph.bandwidth)
         self.check = check
@@ -104,16 +110,20 @@ class SimState:
         self.swap_in_end: dict[int, float] = {}  # in-flight swap-ins (until waited or consumed)
         self.clock = 0.0
         self.xclock = 0.0
-        self.live = sum(self._nodes[v].bytes for v in self.origin) if live_bytes is None else int(live_bytes)
+        self.counts: dict[int, int] = {v: 1 for v in computed}
+        self.pending = 0  # persistent bytes of the last first compute, counted from the next allocation
+        persistent = sum(self._nodes[v].persistent_bytes for v in self.counts)
+        resident_bytes = sum(self._nodes[v].bytes for v in self.origin)
+        self.live = resident_bytes + persistent if live_bytes is None else int(live_bytes)
         self.during = self.live
         self.peak = self.live
         self.bytes_by_origin = {o: 0 for o in ORIGINS}
-        self.bytes_by_origin["computed"] = self.live
+        self.bytes_by_origin["persistent"] = persistent
+        self.bytes_by_origin["computed"] = self.live - persistent
         self.host = 0
         self.host_peak = 0
         self.compute_time = 0.0
         self.transfer_time = 0.0
-        self.counts: dict[int, int] = {}
         self.last_start = self.last_end = 0.0
 
     # ---- what is there ---------------------------------------------------------------
@@ -126,10 +136,20 @@ class SimState:
         return self.graph.fixed_bytes + self.live
 
     def compute_peak(self, i: int) -> int:
-        """Activation bytes while a compute of i issued now runs: what is resident, i's output
-        and its workspace."""
+        """Activation bytes while a compute of i issued now runs: what is resident (with the
+        persistent bytes not counted yet), i's output and its workspace."""
         v = self._nodes[i]
-        return self.live + v.bytes + v.workspace_bytes
+        return self.live + self.pending + v.bytes + v.workspace_bytes
+
+    def settle(self) -> None:
+        """Count the persistent bytes of the last first compute (module docstring): before an op
+        that allocates, and at the step's end (`simulate` calls it after the last op)."""
+        if self.pending:
+            self.live += self.pending
+            self.bytes_by_origin["persistent"] += self.pending
+            self.pending = 0
+            if self.live > self.peak:
+                self.peak = self.live
 
     # ---- ops -------------------------------------------------------------------------
     # Each op returns the rule it violates (a message), or None; `check=False` skips the rules.
@@ -170,12 +190,16 @@ class SimState:
                     end = pending.pop(u)
                     if end > clock:
                         clock = end
+        if self.pending:
+            self.settle()
         v = self._nodes[i]
-        during = self.live + v.bytes + v.workspace_bytes
         count = self.counts.get(i, 0)
+        during = self.live + v.bytes + v.workspace_bytes
         how = "recomputed" if count else "computed"
         self.live += v.bytes
         self.bytes_by_origin[how] += v.bytes
+        if not count:
+            self.pending = v.persistent_bytes
         origin[i] = how
         self.last_start = clock
         self.clock = self.last_end = clock + v.time
@@ -231,6 +255,8 @@ class SimState:
                 return f"swap_in of node {self._name(i)}, which has no host copy (swap it out first)"
             if i in self.origin:
                 return f"swap_in of node {self._name(i)}, which is already resident"
+        if self.pending:
+            self.settle()
         self._issue_transfer(i)
         self.swap_in_end[i] = self.xclock
         nbytes = self._nodes[i].bytes
@@ -273,6 +299,7 @@ def simulate(graph: Graph, schedule: Schedule | list[Op], bandwidth: float | Non
             tl.append({"op": op.op, "node": op.node, "stage": op.stage, "device_bytes": state.during + fixed,
                        "after_bytes": state.live + fixed, "host_bytes": state.host,
                        "start": state.last_start, "end": state.last_end})
+    state.settle()
     counts = [state.counts.get(i, 0) for i in range(graph.n)]
     if violation is None:
         never = [i for i in range(graph.n) if counts[i] == 0]

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from remat.core.analysis import node_need
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError, RematError, SolverError
 from remat.core.graph import Graph
 from remat.core.plan import SOLVER_KEYS, Plan, is_plain, predicted_from
@@ -148,7 +149,8 @@ def explain_infeasible(graph: Graph, budget_bytes: int, solver: str, err: Infeas
 def infeasible_message(graph: Graph, budget_bytes: int, solver: str, found: int, bound: int | None,
                        source: str) -> str:
     by = "the ILP" if source == "ilp" else source
-    fixed = (f"{format_bytes(graph.fixed_bytes)} of it are fixed (parameters, gradients, inputs) and no "
+    what = "parameters, inputs" if graph.meta.get("grads") == "accumulated" else "parameters, gradients, inputs"
+    fixed = (f"{format_bytes(graph.fixed_bytes)} of it are fixed ({what}) and no "
              f"schedule can remove them" if graph.fixed_bytes else "none of it is fixed bytes")
     if budget_bytes >= found:
         return (f"solver {solver!r} found no schedule within the budget {format_bytes_exact(budget_bytes)}, "
@@ -165,9 +167,9 @@ def infeasible_message(graph: Graph, budget_bytes: int, solver: str, found: int,
 
 
 def _simple_lower_bound(graph: Graph) -> int:
-    """No schedule peaks below the fixed bytes plus any one node computed with its inputs resident."""
-    return graph.fixed_bytes + max(v.bytes + v.workspace_bytes + sum(graph.nodes[u].bytes for u in set(graph.preds[v.id]))
-                                   for v in graph.nodes)
+    """No schedule peaks below the fixed bytes plus any one node computed with its inputs resident
+    (and the persistent bytes allocated by then: `analysis.node_need`)."""
+    return node_need(graph)
 
 
 def _baseline_min_budget(graph: Graph) -> tuple[int, int, str]:

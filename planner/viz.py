@@ -22,7 +22,10 @@ Memory categories are how each resident copy got there, as the simulator's state
 (`remat.core.simulate.SimState`):
 
 =================  ==========================================================================
-``fixed``          the graph's ``fixed_bytes`` (parameters, gradients, inputs, optimizer state)
+``fixed``          the graph's ``fixed_bytes`` (parameters, inputs, optimizer state, gradients a
+                   loop keeps)
+``gradients``      persistent bytes of the nodes computed so far (parameter gradients,
+                   allocated at their first accumulation)
 ``kept``           outputs resident after their first ``compute``
 ``recomputed``     outputs resident after a ``compute`` of a node that was computed before
 ``swapped in``     outputs resident because a ``swap_in`` brought them back
@@ -72,6 +75,7 @@ __all__ = ["CATEGORIES", "COLORS", "MemoryBreakdown", "memory_breakdown", "plot_
 # green comes back from it.
 COLORS = {
     "fixed": "#9a9a9a",
+    "gradients": "#F0E442",
     "kept": "#0072B2",
     "recomputed": "#D55E00",
     "swapped in": "#009E73",
@@ -84,9 +88,10 @@ COLORS = {
     "loss": "#F5E6C8",
     "backward": "#F3D9D3",
 }
-CATEGORIES = ("fixed", "kept", "recomputed", "swapped in", "workspace")
+CATEGORIES = ("fixed", "gradients", "kept", "recomputed", "swapped in", "workspace")
 _CATEGORY_LABELS = {
-    "fixed": "fixed (params, grads, inputs)",
+    "fixed": "fixed (params, inputs, ...)",
+    "gradients": "parameter gradients",
     "kept": "kept activations / grads",
     "recomputed": "recomputed",
     "swapped in": "swapped in",
@@ -201,7 +206,7 @@ def memory_breakdown(graph: Graph, schedule: "Schedule | list", bandwidth: float
     issue, start, end = np.zeros(K), np.zeros(K), np.zeros(K)
     first = np.zeros(K, dtype=bool)
     recomputed: set[int] = set()
-    category = {"computed": "kept", "recomputed": "recomputed", "swapped in": "swapped in"}
+    category = {"computed": "kept", "recomputed": "recomputed", "swapped in": "swapped in", "persistent": "gradients"}
     fixed = graph.fixed_bytes
     for k, op in enumerate(ops):
         issued = state.clock  # the compute stream's clock when the op is issued

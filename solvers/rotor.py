@@ -33,7 +33,9 @@ held, ending with a_{s-1} and D_{s-1} resident:
 * s < t, checkpoint a_{j-1} (s < j <= t): no-keep forward of s..j-1, Opt(j, t, h) with a_{j-1}
   held, then Opt(s, j-1, h') with a_{j-1} held (h' = 1) or freed (h' = 0).
 Memory is counted in `slots` units of the budget (sizes rounded up, so a plan the DP accepts
-fits in bytes; exact bytes when the budget is at most `slots` times the sizes' gcd); time is exact.  O(L^3) vector operations over the slots for L blocks; chains of
+fits in bytes; exact bytes when the budget is at most `slots` times the sizes' gcd); time is exact.
+Persistent bytes (gradients allocated at their first accumulation) are taken off the budget
+before the DP, as if resident from the start: safe, and a little room lost.  O(L^3) vector operations over the slots for L blocks; chains of
 more than `MAX_BLOCKS` blocks are merged into that many.
 
 What it cannot do that the ILP does: a checkpoint stays resident for the whole sub-range it
@@ -354,14 +356,16 @@ def rotor(graph: Graph, budget_bytes: int | None = None, *, slots: int = SLOTS, 
     at once).  Raises `InfeasibleBudgetError` with the smallest budget the DP reaches."""
     if budget_bytes is None:
         budget_bytes = graph.fixed_bytes + sum(v.bytes for v in graph.nodes)
-    cap = budget_bytes - graph.fixed_bytes
+    # the DP does not model persistent bytes (gradients allocated at their first accumulation):
+    # it plans as if all of them were there from the start, which only costs room
+    cap = budget_bytes - graph.fixed_bytes - graph.persistent_total
     ops = None
     if cap > 0:
         ops, predicted, _, blocks = plan(graph, cap, slots)
     if ops is None:
         widest = sum(v.bytes for v in graph.nodes)  # everything resident at once: always enough
         _, _, smallest, _ = plan(graph, widest, slots)
-        least = None if smallest is None else graph.fixed_bytes + smallest
+        least = None if smallest is None else graph.fixed_bytes + graph.persistent_total + smallest
         raise InfeasibleBudgetError(
             f"rotor: no schedule of the block DP fits {budget_bytes} bytes"
             + (f"; it needs at least about {least} bytes" if least is not None else ""),

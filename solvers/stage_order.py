@@ -23,8 +23,8 @@ When no order fits, `evict_to_fit` replays the plan's op list under the budget a
 freeing resident values where it would peak over and rebuilding them when they are read again
 (a DTR-style replay of a fixed program): more time, but a plan that fits.
 
-Peak of a stage for an order (what the simulator counts): resident bytes at the stage start,
-plus at each compute the bytes of its output, plus its workspace while it runs, less the inputs
+Peak of a stage for an order (what the simulator counts): resident bytes at the stage start
+(with the persistent bytes of the nodes computed before), plus at each compute the bytes of its output, plus its workspace while it runs, less the inputs
 freed after their last reader.
 """
 from __future__ import annotations
@@ -41,11 +41,13 @@ from remat.core.simulate import SimState
 TRIES = 200  # random orders per stage that peaks above the budget in id order
 
 
-def stage_peak(graph: Graph, order: Sequence[int], resident: set[int], kept_after: set[int]) -> int:
+def stage_peak(graph: Graph, order: Sequence[int], resident: set[int], kept_after: set[int],
+               computed: Sequence[int] = ()) -> int:
     """Peak activation bytes of running `order` from `resident` (frees by the contract's rule),
-    as the simulator counts them (`SimState`)."""
+    the nodes `computed` before it already run (their persistent bytes resident), as the
+    simulator counts them (`SimState`)."""
     last = _last_readers(graph, order)
-    state = SimState(graph, resident=resident, check=False)
+    state = SimState(graph, resident=resident, computed=computed, check=False)
     for k in order:
         state.compute(k)
         for i in set(graph.preds[k]):
@@ -131,12 +133,13 @@ def reorder(graph: Graph, schedule: Schedule, budget_bytes: int,
         resident = set(st.keep)
         kept_after = set(stages[t + 1].keep) if t + 1 < len(stages) else set()
         order = sorted(st.compute)
-        if t not in order or stage_peak(graph, order, resident, kept_after) <= cap:
+        before = range(t)  # (stage t computes node t for the first time: the ones before have run)
+        if t not in order or stage_peak(graph, order, resident, kept_after, before) <= cap:
             chosen.append(None)
             continue
         best = None
         for o in orders(graph, st.compute, t, kept_after, tries if len(order) > 2 else 0, seed=t):
-            p = stage_peak(graph, o, resident, kept_after)
+            p = stage_peak(graph, o, resident, kept_after, before)
             if best is None or p < best[0]:
                 best = (p, o)
             if p <= cap:

@@ -5,7 +5,8 @@ semantics in schedule.py's docstring: per stage t a resident set S[t], swap-outs
 resident values, swap-ins SI[t] of host copies (usable from t+1), fetches SF[t] of host copies
 (waited for, usable in t), the minimal recomputation R[t]
 that the next resident set needs, Checkmate's release rule, and stage time = max(compute,
-transfer, plus fetches before both).  A dynamic program over the exact state (resident set, host set) per stage: every
+transfer, plus fetches before both); a node's persistent bytes count from the stage after the
+one that computes it first (stage t computes t) on, and all of them at the step's end.  A dynamic program over the exact state (resident set, host set) per stage: every
 schedule is a path through it, so its minimum is the true optimum of the model.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
     M = [v.bytes for v in graph.nodes]
     W = [v.workspace_bytes for v in graph.nodes]
     C = [v.time for v in graph.nodes]
+    P = [v.persistent_bytes for v in graph.nodes]  # allocated at a node's first compute, kept
     bw = bandwidth if bandwidth is not None else graph.bandwidth
     preds, succs = graph.preds, graph.succs
     B = budget_bytes - graph.fixed_bytes
@@ -43,7 +45,7 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
         return R
 
     def stage(t, S, SO, SI, SF, R, nxt):
-        mem = sum(M[i] for i in S) + sum(M[i] for i in SI) + sum(M[i] for i in SF)
+        mem = sum(P[:t]) + sum(M[i] for i in S) + sum(M[i] for i in SI) + sum(M[i] for i in SF)
         peak = mem
         for k in sorted(R):
             peak = max(peak, mem + M[k] + W[k])
@@ -54,6 +56,8 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
                 if any(j > k and j in R for j in succs[i]):
                     continue
                 mem -= M[i]
+        if t == n - 1:
+            peak = max(peak, sum(P))  # the step's end: every other value freed, every persistent byte there
         fetch = sum(M[i] / bw for i in SF)
         time = fetch + max(sum(C[k] for k in R), sum(M[i] / bw for i in SO | SI))
         return peak, time

@@ -22,11 +22,20 @@ def with_workspace_and_fixed(g: Graph, workspace: int, fixed: int) -> Graph:
     return Graph(nodes, g.edges, fixed, g.meta)
 
 
+def with_persistent(g: Graph, size: int) -> Graph:
+    """`g` with `size` persistent bytes (a parameter gradient) on every other backward node."""
+    nodes = [Node(v.id, v.name, v.kind, v.time, v.bytes, v.workspace_bytes,
+                  persistent_bytes=size if v.kind == "backward" and v.id % 2 == 0 else 0) for v in g.nodes]
+    return Graph(nodes, g.edges, g.fixed_bytes, g.meta)
+
+
 TINY = {
     "chain3": linear_chain(3, bandwidth=4),
     "random3a": random_layered(3, seed=1, width=2, bandwidth=8),
     "random3b": random_layered(3, seed=4, width=2, bandwidth=2),
     "random3_ws_fixed": with_workspace_and_fixed(random_layered(3, seed=2, width=2, bandwidth=4), 2, 3),
+    "random3_persistent": with_persistent(with_workspace_and_fixed(random_layered(3, seed=3, width=2, bandwidth=4),
+                                                                   1, 2), 2),
 }
 
 

@@ -26,9 +26,10 @@ BLUE, VERMILLION = viz.COLORS["kept"], viz.COLORS["recomputed"]
 
 # ---- a plan whose every entry is known ---------------------------------------------------
 def known_graph() -> remat.Graph:
-    """linear_chain(3) (f0 f1 f2 loss g2 g1 g0), 3 fixed bytes, 2 workspace bytes on g2 (node 4)."""
+    """linear_chain(3) (f0 f1 f2 loss g2 g1 g0), 3 fixed bytes, 2 workspace bytes and 1
+    persistent byte (a parameter gradient) on g2 (node 4)."""
     g = linear_chain(3, fixed_bytes=3)
-    nodes = [dataclasses.replace(v, workspace_bytes=2) if v.id == 4 else v for v in g.nodes]
+    nodes = [dataclasses.replace(v, workspace_bytes=2, persistent_bytes=1) if v.id == 4 else v for v in g.nodes]
     return remat.Graph(nodes, g.edges, g.fixed_bytes, g.meta)
 
 
@@ -84,8 +85,11 @@ def test_memory_breakdown_categories(known):
     ops = [(o.op, o.node, o.stage) for o in sched.ops]
     k = ops.index(("compute", 4, 4))  # g2: f0 swapped in, f1 recomputed, f2 loss g2 kept, workspace
     assert {c: int(mb.during[c][k]) for c in viz.CATEGORIES} == {
-        "fixed": 3, "kept": 3, "recomputed": 1, "swapped in": 1, "workspace": 2}
+        "fixed": 3, "gradients": 0, "kept": 3, "recomputed": 1, "swapped in": 1, "workspace": 2}
     assert mb.after["workspace"][k] == 0
+    # g2's persistent byte counts from the next compute on (g1's), to the end
+    k5 = ops.index(("compute", 5, 5))
+    assert list(mb.after["gradients"][:k5]) == [0] * k5 and set(mb.during["gradients"][k5:]) == {1}
     assert mb.peak_bytes == remat.simulate(g, sched).peak_bytes == int(mb.device_bytes.max())
     assert mb.recomputed_nodes == {1}
     assert int(mb.first_compute.sum()) == 7

@@ -27,7 +27,10 @@ free_*       FREE[t,(i,k)] <= R[t,k];  <= 1 - S[t+1,i];  <= 1 - R[t,j] for j in 
 free_once    sum_k FREE[t,(i,k)] <= R[t,i] + S[t,i] + SF[t,i]   (released once, only if present)
 memory       U[t,0] = M_0 R[t,0] + sum_i M_i (S[t,i] + SI[t,i] + SF[t,i])
              U[t,k] = U[t,k-1] + M_k R[t,k] - sum_{(i,k-1) in E} M_i FREE[t,(i,k-1)]
-             U[t,k] + W_k R[t,k] <= B - fixed_bytes           (W = workspace bytes)
+             U[t,k] + W_k R[t,k] <= B - fixed_bytes - PB_t;   PB_{n} <= B - fixed_bytes
+             (W = workspace bytes; PB_t = the persistent bytes of the nodes before t: node i's
+             count from stage i + 1 on, and at the step's end, when the last stage has freed
+             everything else, all of them; `remat.core.simulate`)
 stage time   tau[t] >= F_t + sum_i C_i R[t,i];  tau[t] >= F_t + sum_i (M_i / bandwidth) (SO[t,i] + SI[t,i])
              with F_t = sum_i (M_i / bandwidth) SF[t,i] (fetches run first and are waited for)
 no_waste     S[t,i] <= S[t+1,i] + SO[t,i] + sum_{k in succ(i), k <= t} R[t,k]
@@ -110,23 +113,25 @@ class Model:
 
 
 def memory_scale(graph: Graph, act_budget: int, max_units: int,
-                  round_down: bool = False) -> tuple[int, list[int], list[int], int, bool]:
-    """(quantum, sizes, workspaces, budget in quanta, quantised?).
+                  round_down: bool = False) -> tuple[int, list[int], list[int], list[int], int, bool]:
+    """(quantum, sizes, workspaces, persistent bytes, budget in quanta, quantised?).
 
     Exact when the gcd of all sizes and the budget leaves at most `max_units` units.  Otherwise
     sizes round up and the budget down (a restriction: its schedules fit in exact bytes), or,
     with round_down, sizes down and the budget up (a relaxation: its bounds are valid).
     """
-    vals = [v.bytes for v in graph.nodes] + [v.workspace_bytes for v in graph.nodes] + [act_budget]
+    per_node = ([v.bytes for v in graph.nodes], [v.workspace_bytes for v in graph.nodes],
+                [v.persistent_bytes for v in graph.nodes])
+    vals = [x for xs in per_node for x in xs] + [act_budget]
     q = reduce(math.gcd, [x for x in vals if x > 0], 0) or 1
     quantised = act_budget // q > max_units
     if quantised:
         q = max(q, -(-act_budget // max_units))
     if round_down:
-        return (q, [v.bytes // q for v in graph.nodes], [v.workspace_bytes // q for v in graph.nodes],
-                -(-act_budget // q), quantised)
-    return (q, [-(-v.bytes // q) for v in graph.nodes], [-(-v.workspace_bytes // q) for v in graph.nodes],
-            act_budget // q, quantised)
+        M, W, P = ([x // q for x in xs] for xs in per_node)
+        return q, M, W, P, -(-act_budget // q), quantised
+    M, W, P = ([-(-x // q) for x in xs] for xs in per_node)
+    return q, M, W, P, act_budget // q, quantised
 
 
 def time_unit(graph: Graph) -> float:
@@ -147,7 +152,8 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     created): a restriction of the model, used by `shift_search`; its bound is not the graph's."""
     n = graph.n
     act_budget = budget_bytes - graph.fixed_bytes
-    q, M, W, B, quantised = memory_scale(graph, max(act_budget, 0), max_memory_units, round_down)
+    q, M, W, P, B, quantised = memory_scale(graph, max(act_budget, 0), max_memory_units, round_down)
+    PB = [sum(P[:t]) for t in range(n)]  # persistent quanta allocated before stage t
     cu = time_unit(graph)
     C = [v.time / cu for v in graph.nodes]
     bw = float(bandwidth if bandwidth is not None else graph.bandwidth)
@@ -265,7 +271,7 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
         prev = None
         for k in range(t + 1):
             rk = r(t, k)
-            u = pulp.LpVariable(f"U_{t}_{k}", 0, B)
+            u = pulp.LpVariable(f"U_{t}_{k}", 0, B - PB[t])  # (beside the persistent bytes of the nodes before t)
             U[t, k] = u
             if k == 0:
                 add(u == M[0] * rk + pulp.lpSum(M[i] * (s(t, i) + si(t, i) + sf(t, i)) for i in range(t)),
@@ -274,8 +280,11 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
                 add(u == prev + M[k] * rk - pulp.lpSum(M[i] * FREE[t, i, k - 1] for i in in_edges[k - 1]
                                                        if (t, i, k - 1) in FREE), f"memory_{t}_{k}")
             if W[k] > 0:
-                add(u + W[k] * rk <= B, f"workspace_{t}_{k}")
+                add(u + W[k] * rk <= B - PB[t], f"workspace_{t}_{k}")
             prev = u
+
+    if sum(P) > B:  # (the step's end holds every persistent byte: no schedule fits)
+        add(U[n - 1, n - 1] <= -1, "persistent_end")
 
     # no-waste cuts
     for (t, i), v in S.items():
@@ -306,7 +315,7 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
         prob += sum(C) + pulp.lpSum(C[i] * v for (t, i), v in R.items())
     return Model(prob, R, S, SO, SI, SF, FREE, U, tau, q, cu, B, swap,
                  meta={"memory_units_budget": B, "variables": len(prob.variables()),
-                       "constraints": len(prob.constraints), "quantised": quantised, "M": M, "W": W})
+                       "constraints": len(prob.constraints), "quantised": quantised, "M": M, "W": W, "P": P})
 
 
 def schedule_from_model(graph: Graph, m: Model) -> Schedule:

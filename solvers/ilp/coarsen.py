@@ -2,8 +2,9 @@ r"""Coarsening: a quotient of the graph by contiguous runs of node ids, and the 
 
 Coarsen (`choose_groups`, `fit_groups`, `coarsen`).  The node ids 0..n-1 are cut into contiguous
 runs of one kind (forward runs, the loss, backward runs); each run becomes one node of a quotient
-graph: time = sum of its members' times, bytes = sum of their bytes, workspace
-W_X = max_j (W_{x_j} - sum_{l>j} M_{x_l})^+, edges = the edges between runs.  On a
+graph: time = sum of its members' times, bytes = sum of their bytes, persistent bytes = sum of
+theirs, workspace W_X = max_j (W_{x_j} + sum_{l<j} P_{x_l} - sum_{l>j} M_{x_l})^+, edges = the
+edges between runs.  On a
 Checkmate-layout graph (forward 0..m-1, loss m, backward of v at 2m-v) the backward runs mirror
 the forward ones, and each forward run's last node is a run of its own, so that the coarse model
 can keep a block's output and recompute its interior.  Cut points come from a DP over positions
@@ -153,8 +154,8 @@ def fit_groups(graph: Graph, groups: list[list[int]], budget_bytes: int) -> list
     while True:
         co = coarsen(graph, groups)
         cg = co.graph
-        need = [v.bytes + v.workspace_bytes + sum(cg.nodes[u].bytes for u in set(cg.preds[v.id])) + cg.fixed_bytes
-                for v in cg.nodes]
+        need = [v.bytes + v.workspace_bytes + v.persistent_bytes + cg.persistent_before[v.id]
+                + sum(cg.nodes[u].bytes for u in set(cg.preds[v.id])) + cg.fixed_bytes for v in cg.nodes]
         bad = [x for x in range(cg.n) if need[x] > budget_bytes]
         if not bad:
             return groups
@@ -190,11 +191,13 @@ def coarsen(graph: Graph, groups: list[list[int]]) -> Coarsening:
             gof[v] = x
         M = [graph.nodes[v].bytes for v in g]
         W = [graph.nodes[v].workspace_bytes for v in g]
-        after = [sum(M[j + 1:]) for j in range(len(g))]
-        ws = max(0, max(W[j] - after[j] for j in range(len(g))))
+        P = [graph.nodes[v].persistent_bytes for v in g]
+        # member j runs with the persistent bytes of the members before it counted, which the
+        # coarse node counts only after it runs
+        ws = max(0, max(W[j] + sum(P[:j]) - sum(M[j + 1:]) for j in range(len(g))))
         name = graph.nodes[g[0]].name if len(g) == 1 else f"{graph.nodes[g[0]].name}..{graph.nodes[g[-1]].name}"
         nodes.append(Node(x, name, kinds.pop(), float(sum(graph.nodes[v].time for v in g)), int(sum(M)), int(ws),
-                          extra={"members": [g[0], g[-1]]}))
+                          extra={"members": [g[0], g[-1]]}, persistent_bytes=int(sum(P))))
     edges = {(gof[a], gof[b]) for a, b in graph.edges if gof[a] != gof[b]}
     meta = dict(graph.meta)
     meta["model"] = f"coarse({graph.meta.get('model', '?')}, {len(groups)} of {graph.n})"

@@ -376,17 +376,21 @@ def min_feasible_budget(graph: Graph, swap: bool = True, time_limit: float | Non
                         bandwidth: float | None = None, recompute_backward: bool = False) -> tuple[int, int]:
     """(smallest whole-step peak found, proven lower bound on it), by the same stage model.
 
-    Minimises a peak variable P >= U[t,k] + W_k R[t,k] over schedules of any time.  The
+    Minimises a peak variable >= U[t,k] + W_k R[t,k] (+ the persistent bytes counted by then,
+    all of them at the end) over schedules of any time.  The
     incumbent is simulated, so the first number is a budget that is known to work.
     """
-    total = sum(v.bytes + v.workspace_bytes for v in graph.nodes)
+    total = sum(v.bytes + v.workspace_bytes + v.persistent_bytes for v in graph.nodes)
     m = build_model(graph, graph.fixed_bytes + total, swap=swap, bandwidth=bandwidth,
                     recompute_backward=recompute_backward)
     peak = pulp.LpVariable("peak", 0)
+    P = m.meta["P"]
     for (t, k), u in m.U.items():
         w = m.meta["W"][k]
         rk = 1 if k == t else m.R.get((t, k), 0)
-        m.prob.addConstraint(peak >= u + w * rk, f"peak_{t}_{k}")
+        m.prob.addConstraint(peak >= u + w * rk + sum(P[:t]), f"peak_{t}_{k}")
+    if any(P):
+        m.prob.addConstraint(peak >= sum(P), "peak_end")  # (the step's end)
     m.prob.setObjective(peak)
     out = mip.run(m, "cbc", time_limit, 0.0, None, False, False)
     if out["sol_status"] not in (1, 2):
@@ -394,8 +398,8 @@ def min_feasible_budget(graph: Graph, swap: bool = True, time_limit: float | Non
     sched = schedule_from_model(graph, m)
     res = simulate(graph, sched, bandwidth)
     lb_units = int(math.ceil((out["bound"] if out["bound"] is not None else 0.0) - 1e-6))
-    if m.meta["quantised"]:  # each of at most n outputs and one workspace was rounded up by < q
-        lb_units -= graph.n + 1
+    if m.meta["quantised"]:  # each of at most n outputs, one workspace and the persistent sizes was rounded up by < q
+        lb_units -= graph.n + 1 + sum(1 for v in graph.nodes if v.persistent_bytes)
     lb = graph.fixed_bytes + max(0, lb_units) * m.quantum
     return res.peak_bytes, min(res.peak_bytes, max(lb, node_need(graph)))
 
