@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = DropoutMLP(width=args.width, layers=8).to(dev)
     inputs = (torch.randn(args.batch, args.width, device=dev),)
-    graph = remat.trace(model, inputs, profile="flops")
+    graph = remat.trace(model, inputs, profile="flops", grads="resident")  # (gradients kept, as measured)
     full = remat.plan(graph, "1.0x", solver="checkpoint-all")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{max(r['measured_during'] for r in rows)}; runtime "
                   f"{graph.meta['fixed_breakdown'].get('runtime')}; worst op {worst}", flush=True)
         # the joint (op-level) graph: its profiling runs the backward nodes on autograd's thread
-        jgraph = remat.trace(model, inputs, granularity="joint", profile="flops")
+        jgraph = remat.trace(model, inputs, granularity="joint", profile="flops", grads="resident")
         jfull = remat.plan(jgraph, "1.0x", solver="checkpoint-all")
         plan = _plan_at(jgraph, _activation_budget(jgraph, jfull, 0.4), solver="ilp", swap=False, time_limit=20)
         rows = op_timeline(model, inputs, plan, dev)

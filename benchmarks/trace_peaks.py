@@ -1,14 +1,14 @@
 """Predicted vs measured peak of one training step, for every zoo model.
 
-For each model: trace it (`remat.trace`), simulate the checkpoint-all schedule (no
-rematerialization), and run one plain training step (forward, the default loss, backward) on
-the CPU while `remat.frontends.measure_peak` counts live tensor storages.  Two real steps:
+For each model: trace it twice (`remat.trace`, one graph per way a loop treats its gradients),
+simulate the checkpoint-all schedule (no rematerialization), and run one plain training step
+(forward, the default loss, backward) on the CPU while `remat.frontends.measure_peak` counts
+live tensor storages:
 
-* gradients kept from the previous step (``zero_grad(set_to_none=False)``): gradients are
-  resident for the whole step, as the graph's fixed bytes say; the prediction should match;
-* gradients freed (``set_to_none=True``, PyTorch's default): the real step allocates them
-  during the backward only, so the prediction is an upper bound, loose by up to the gradients
-  that do not exist yet when the real peak happens.
+* ``grads="accumulated"`` (the default) against a step after PyTorch's default
+  ``zero_grad()`` (``set_to_none=True``): each gradient is allocated at its first accumulation;
+* ``grads="resident"`` against a step that keeps its gradients from the previous one
+  (``zero_grad(set_to_none=False)``): gradients are fixed bytes for the whole step.
 
     python benchmarks/trace_peaks.py                       # small sizes (seconds)
     python benchmarks/trace_peaks.py --medium              # batch 8, 64x64 images, GPT-2 4x128, seq 128
@@ -37,8 +37,8 @@ MEDIUM = {
     "unet": dict(batch=4, image_size=64, base=16, depth=3),
     "gpt2": dict(batch=4, seq_len=128, n_layer=4, n_embd=128, n_head=4, vocab_size=2048),
 }
-COLUMNS = ("model", "granularity", "nodes", "fixed_bytes", "predicted_peak", "real_peak_grads_kept",
-           "error_kept", "real_peak_set_to_none", "error_set_to_none", "trace_seconds")
+COLUMNS = ("model", "granularity", "nodes", "predicted_accumulated", "real_set_to_none", "error_accumulated",
+           "predicted_resident", "real_grads_kept", "error_resident", "trace_seconds")
 
 
 def main(argv=None) -> int:
@@ -56,17 +56,22 @@ def main(argv=None) -> int:
     rows = []
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         model, inputs = zoo.get(name, **(MEDIUM[name] if args.medium else {}))
-        g = trace(model, inputs, name=name, granularity=args.granularity, profile=args.profile)
-        predicted = remat.simulate(g, get("checkpoint-all")(g)).peak_bytes
+        graphs = {grads: trace(model, inputs, name=name, granularity=args.granularity, profile=args.profile,
+                               grads=grads) for grads in ("accumulated", "resident")}
+        predicted = {k: remat.simulate(g, get("checkpoint-all")(g)).peak_bytes for k, g in graphs.items()}
         kept, freed = plain_step_peaks(model, inputs)
-        row = {"model": name, "granularity": args.granularity, "nodes": g.n, "fixed_bytes": g.fixed_bytes,
-               "predicted_peak": predicted, "real_peak_grads_kept": kept, "error_kept": predicted / kept - 1,
-               "real_peak_set_to_none": freed, "error_set_to_none": predicted / freed - 1,
+        g = graphs["accumulated"]
+        row = {"model": name, "granularity": g.meta["granularity"], "nodes": g.n,
+               "predicted_accumulated": predicted["accumulated"], "real_set_to_none": freed,
+               "error_accumulated": predicted["accumulated"] / freed - 1,
+               "predicted_resident": predicted["resident"], "real_grads_kept": kept,
+               "error_resident": predicted["resident"] / kept - 1,
                "trace_seconds": g.meta["trace_seconds"]["total"]}
         rows.append(row)
-        print(f"{name:13s} {g.n:4d} nodes  fixed {format_bytes(g.fixed_bytes):>11s}  predicted "
-              f"{format_bytes(predicted):>11s}  real (grads kept) {format_bytes(kept):>11s} {row['error_kept']:+6.1%}"
-              f"  real (set_to_none) {format_bytes(freed):>11s} {row['error_set_to_none']:+6.1%}", flush=True)
+        print(f"{name:13s} {g.n:4d} nodes  accumulated: predicted {format_bytes(predicted['accumulated']):>11s} "
+              f"real {format_bytes(freed):>11s} {row['error_accumulated']:+6.1%}   resident: predicted "
+              f"{format_bytes(predicted['resident']):>11s} real {format_bytes(kept):>11s} {row['error_resident']:+6.1%}",
+              flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as f:
@@ -74,7 +79,7 @@ def main(argv=None) -> int:
         w.writeheader()
         w.writerows(rows)
     print(f"wrote {out}")
-    worst = max(abs(r["error_kept"]) for r in rows)
+    worst = max(max(abs(r["error_accumulated"]), abs(r["error_resident"])) for r in rows)
     return 0 if worst <= 0.10 else 1
 
 

@@ -46,6 +46,10 @@ OPTIMIZER_STATE = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "rmsprop"
                    "adafactor": 1, "lion": 1}
 DEFAULT_REPEATS = {"cuda": 5, "cpu": 3}  # timed runs per node; CPU runs are slow and steadier
 PROFILES = ("measure", "flops")
+# how the training loop treats parameter gradients between steps: "accumulated" (PyTorch's default
+# `zero_grad()`, set_to_none=True: each is allocated at its first accumulation in the backward)
+# or "resident" (`zero_grad(set_to_none=False)`: kept, so fixed bytes for the whole step)
+GRADS = ("accumulated", "resident")
 
 def default_loss(output: Any, *inputs: Any) -> torch.Tensor:
     """The default loss: the sum of every floating-point tensor in the output (``output.sum()``
@@ -174,10 +178,13 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 # ---- fixed bytes and bandwidth ---------------------------------------------------------------
 def fixed_bytes(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
-                optimizer: str | None = None, runtime: int | None = None) -> tuple[int, dict]:
+                optimizer: str | None = None, runtime: int | None = None, grads: str = "accumulated") -> tuple[int, dict]:
     """(total, breakdown): parameters, gradients, buffers, inputs, optimizer state; each storage
-    counted once (shared parameters, views).  `runtime` (CUDA only, `LibraryWorkspaces`): the
-    device bytes the CUDA libraries keep for the step, in the breakdown as ``runtime``."""
+    counted once (shared parameters, views).  The gradients are there only with
+    ``grads="resident"`` (a loop that keeps them between steps); with ``"accumulated"`` they
+    are the backward nodes' persistent bytes instead (``gradients`` is 0).  `runtime` (CUDA
+    only, `LibraryWorkspaces`): the device bytes the CUDA libraries keep for the step, in the
+    breakdown as ``runtime``."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     p_bytes = unique_bytes(params)
@@ -187,7 +194,8 @@ def fixed_bytes(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = 
     seen = unique_bytes(params + list(model.buffers()))
     i_bytes = unique_bytes(params + list(model.buffers()) + inputs) - seen
     o_bytes = OPTIMIZER_STATE.get(optimizer or "", 0) * g_bytes
-    breakdown = {"parameters": p_bytes, "gradients": g_bytes, "buffers": b_bytes, "inputs": i_bytes,
+    breakdown = {"parameters": p_bytes, "gradients": g_bytes if grads == "resident" else 0, "buffers": b_bytes,
+                 "inputs": i_bytes,
                  "optimizer": o_bytes}
     if runtime is not None:
         breakdown["runtime"] = int(runtime)
@@ -234,6 +242,7 @@ class TraceContext:
     warmup: int
     flops_model: FlopsModel
     optimizer: str | None
+    grads: str = "accumulated"
     progress: bool = False
     notes: list = field(default_factory=list)   # why a granularity fell back, for meta["capture_notes"]
     state: dict = field(default_factory=dict)
@@ -277,15 +286,18 @@ class Frontend(ABC):
 def prepare(frontend: Frontend, model: torch.nn.Module, example_inputs: Any, *, example_kwargs: dict | None = None,
             loss_fn: Callable | None = None, profile: str = "measure", device: "str | torch.device | None" = None,
             repeats: int | None = None, warmup: int = 1, optimizer: str | None = None, name: str | None = None,
-            flops_model: FlopsModel | None = None, progress: bool = False) -> TraceContext:
+            flops_model: FlopsModel | None = None, progress: bool = False, grads: str = "accumulated") -> TraceContext:
     """The `TraceContext` of one trace: inputs checked (`InvalidInputError` names the bad one) and
     moved to the device with the model."""
     if profile not in PROFILES:
         raise InvalidInputError(f"profile: expected one of {PROFILES}, got {profile!r}")
+    if grads not in GRADS:
+        raise InvalidInputError(f"grads: expected one of {GRADS}, got {grads!r}")
     args, kwargs, dev, repeats, loss, model_name, fm = prepare_trace(
         model, example_inputs, example_kwargs, loss_fn, device, repeats, warmup, optimizer, name, flops_model,
         min_warmup=frontend.min_warmup, need_grad=frontend.need_grad)
-    return TraceContext(model, args, kwargs, dev, loss, model_name, profile, repeats, warmup, fm, optimizer, progress)
+    return TraceContext(model, args, kwargs, dev, loss, model_name, profile, repeats, warmup, fm, optimizer, grads,
+                        progress)
 
 
 def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
@@ -309,12 +321,12 @@ def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
             for b, saved in snapshot:
                 b.copy_(saved)
     fixed, breakdown = fixed_bytes(model, ctx.args, ctx.kwargs, ctx.optimizer,
-                                   runtime=libs.bytes if dev.type == "cuda" else None)
+                                   runtime=libs.bytes if dev.type == "cuda" else None, grads=ctx.grads)
     nodes, edges, meta = frontend.assemble(ctx)
     graph = Graph(nodes, edges, fixed, {
         **step_meta(model, ctx.args, ctx.kwargs, dev, ctx.name, ctx.profile, ctx.repeats, ctx.warmup, ctx.flops_model,
                     ctx.loss_fn, ctx.optimizer, breakdown),
-        "granularity": frontend.granularity, **meta})
+        "granularity": frontend.granularity, "grads": ctx.grads, **meta})
     total = time.perf_counter() - t_start
     graph.meta["trace_seconds"] = {"capture": round(t_capture, 4), "profile": round(t_profile, 4),
                                    "total": round(total, 4)}
@@ -347,4 +359,4 @@ def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | 
 
 __all__ = ["Frontend", "TraceContext", "prepare", "trace_with", "default_loss", "split_inputs", "resolve_device",
            "prepare_trace", "step_meta", "model_fingerprint", "fixed_bytes", "host_device_bandwidth",
-           "plain_step_peaks", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES"]
+           "plain_step_peaks", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]

@@ -26,10 +26,13 @@ Nodes (`JointProgram.groups`; graph node i = group i):
   of those outputs; an unused output, e.g. of ``native_batch_norm_backward``, is workspace);
   ``workspace_bytes``: the rest of its peak while it runs (on the CPU: storages the op
   returns but nobody keeps; allocations inside a kernel are invisible, as to `measure_peak`);
-* parameter gradients are fixed bytes (``fixed_bytes``: parameters + gradients + buffers +
-  inputs, `base.fixed_bytes`), as with module granularity: the node producing one is a
-  backward node whose value is accumulated into ``param.grad`` at once and then dropped, so
-  it counts as that node's *workspace*, not its bytes (unless another node also reads it);
+* parameter gradients: the node producing one is a backward node whose value goes into
+  ``param.grad`` at once.  With ``grads="accumulated"`` (PyTorch's default loop,
+  ``zero_grad(set_to_none=True)``) it is the parameter's first gradient of the step: the new
+  ``.grad`` is that node's *persistent bytes* (the value itself when `steals_gradient`, as
+  autograd does, else a copy); with ``grads="resident"`` the gradients are fixed bytes
+  (`base.fixed_bytes`) and the value, added in place, is the node's *workspace*. Either way it
+  is not its bytes (unless another node also reads it);
 * buffer mutations (BatchNorm running statistics, ``num_batches_tracked``) are extra outputs
   of the functional graph: the executor copies them into the buffers once, at the first
   compute of the node producing them (a recomputation leaves the buffers alone); like
@@ -67,7 +70,7 @@ from remat.core.graph import Graph, Node
 
 from .base import Frontend, TraceContext, prepare, trace_with
 from .capture import CaptureError, quiet_torch_logs
-from .measuring import AllocatorWindow, StorageTracker, on_autograd_thread
+from .measuring import AllocatorWindow, StorageTracker, on_autograd_thread, storage_bytes, storage_key
 from .profile import FlopsModel, Timer, is_random
 
 log = logging.getLogger(__name__)
@@ -391,6 +394,8 @@ def discover_groups(cap: JointCapture, const: dict) -> tuple[list, list, list]:
 class NodeProfile:
     bytes: int = 0
     workspace: int = 0
+    grad_bytes: int = 0      # parameter gradients it makes: the bytes each becomes as a fresh ``.grad``
+    grad_stolen: int = 0     # of those, the bytes a fresh ``.grad`` takes over from its value (`steals_gradient`)
     alloc_bytes: int = 0
     flops: int = 0
     time: float = 0.0
@@ -402,6 +407,14 @@ def _last_consumer(prog: JointProgram) -> list:
         for p in ps:
             last[p] = max(last[p], g)
     return last
+
+
+def steals_gradient(value: torch.Tensor, param: torch.Tensor, stealable: bool) -> bool:
+    """Whether `value`, a parameter's first gradient of the step, becomes ``param.grad`` as it is
+    (autograd's AccumulateGrad does the same: a gradient nobody else holds, laid out like the
+    parameter, in a storage of its own); else ``.grad`` is a fresh copy."""
+    return (stealable and value.stride() == param.stride() and value.storage_offset() == 0
+            and value.untyped_storage().nbytes() == value.numel() * value.element_size())
 
 
 def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: bool, device: torch.device,
@@ -420,6 +433,8 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
     tracker = StorageTracker(record_events=True)
     tracker.ignore(const.values())
     values: dict = {}
+    params = {fqn: const[x] for x, (kind, fqn) in prog.cap.placeholders.items() if kind == "parameter"}
+    accumulated: set = set()  # parameters (storage keys) whose gradient an earlier node made
 
     def lookup(x: fx.Node) -> Any:
         g = prog.group_of[x]
@@ -444,9 +459,20 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
             counter = FlopCounterMode(display=False) if flops else None
             with (counter or nullcontext()), AllocatorWindow(device) as alloc:
                 local = prog.run(g, lookup)
-            for node, _, _ in prog.sinks[g]:      # to .grad or a buffer at once (not applied here)
+            stolen: dict = {}
+            for node, what, fqn in prog.sinks[g]:  # to .grad or a buffer at once (not applied here)
+                if what == "grad" and storage_key(params[fqn]) not in accumulated:
+                    # (a parameter's first gradient; a tied one's later gradients add into it)
+                    value, param = local[node], params[fqn]
+                    accumulated.add(storage_key(param))
+                    p = profs[g]
+                    p.grad_bytes += storage_bytes(param)
+                    if steals_gradient(value, param, node not in prog.keep[g]) and tracker.uid(value) is not None:
+                        stolen[storage_key(value)] = storage_bytes(value)
+                    del value  # (held here, it would count as the node's bytes)
                 if node not in prog.keep[g]:
                     local.pop(node, None)
+            profs[g].grad_stolen = sum(stolen.values())
             values[g] = local
             kept = sum(tracker.new_live(m0).values())
             p = profs[g]
@@ -535,7 +561,13 @@ class JointFrontend(Frontend):
             if bufs:
                 extra["mutates"] = bufs
             node_name = "loss" if kind == "loss" else head.name
-            nodes.append(Node(g, node_name, kind, float(t), int(p.bytes), int(p.workspace), extra))
+            ws, persistent = p.workspace, 0
+            if ctx.grads == "accumulated":
+                # the gradients it makes become fresh .grad tensors that stay: the value itself
+                # (in the workspace while it runs) or a copy made beside it
+                ws, persistent = p.workspace + p.grad_bytes - p.grad_stolen, p.grad_bytes
+            nodes.append(Node(g, node_name, kind, float(t), int(p.bytes), int(ws), extra,
+                              persistent_bytes=int(persistent)))
         edges = [(p, g) for g, ps in enumerate(prog.preds) for p in ps]
         fx_ops = sum(1 for n in cap.gm.graph.nodes if n.op == "call_function")
         log.info("joint graph of %s: %d fx ops -> %d nodes (%d forward, %d backward)", ctx.name, fx_ops, len(nodes),
@@ -556,7 +588,7 @@ class JointFrontend(Frontend):
 def trace_joint(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None = None, profile: str = "flops",
                 device: "str | torch.device | None" = None, repeats: int | None = None, *, warmup: int = 1,
                 example_kwargs: dict | None = None, optimizer: str | None = None, name: str | None = None,
-                flops_model: FlopsModel | None = None) -> Graph:
+                flops_model: FlopsModel | None = None, grads: str = "accumulated") -> Graph:
     """Trace and profile one training step of `model` as a joint forward+backward op graph.
 
     Arguments as `remat.trace` (``granularity="joint"``); `profile` is ``"flops"`` (deterministic,
@@ -567,7 +599,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable |
     frontend = JointFrontend()
     ctx = prepare(frontend, model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, profile=profile,
                   device=device, repeats=repeats, warmup=warmup, optimizer=optimizer, name=name,
-                  flops_model=flops_model)
+                  flops_model=flops_model, grads=grads)
     return trace_with(frontend, ctx)
 
 

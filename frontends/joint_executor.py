@@ -50,7 +50,7 @@ import torch.fx as fx
 from remat.core.errors import InvalidInputError
 from remat.core.plan import Plan
 
-from .joint import STATIC, JointProgram, capture_joint, placeholder_values, program_from_graph
+from .joint import STATIC, JointProgram, capture_joint, placeholder_values, program_from_graph, steals_gradient
 from .runtime import PlannedBase, RunBase
 from .transfer import StorageSet, Transfers
 
@@ -172,8 +172,7 @@ class _JointRun(RunBase):
         p = self.model.get_parameter(fqn)
         if p.grad is not None:
             p.grad.add_(value)       # autograd's accumulation: in place into the existing gradient
-        elif (stealable and value.stride() == p.stride() and value.storage_offset() == 0
-              and value.untyped_storage().nbytes() == value.numel() * value.element_size()):
+        elif steals_gradient(value, p, stealable):
             p.grad = value.detach()  # the new gradient becomes .grad, as autograd does
         else:
             p.grad = torch.empty_like(p).copy_(value)

@@ -17,7 +17,9 @@ What a node costs (docs/design.md, "The memory model"):
   = the rest of its peak (saved tensors of the loss, the loss value).
 * backward node of v: ``bytes`` = gradient w.r.t. v's activation inputs, ``time`` = v's backward
   (input and parameter gradients), ``workspace_bytes`` = its transient peak, parameter gradients
-  left out (they are fixed bytes).
+  left out; ``persistent_bytes`` (``grads="accumulated"``, PyTorch's default loop) = the
+  parameter gradients it allocates, those of v's parameters that no earlier backward node
+  accumulated (with ``grads="resident"`` they are fixed bytes instead).
 """
 from __future__ import annotations
 
@@ -75,13 +77,13 @@ class ModuleFrontend(Frontend):
     def profile(self, ctx: TraceContext) -> None:
         ctx.state["profiles"] = _profile_all(ctx.state["cap"], ctx.state["stages"], ctx.model, ctx.args, ctx.loss_fn,
                                              ctx.device, ctx.measure_time, ctx.warmup, ctx.repeats, ctx.flops,
-                                             ctx.progress, ctx.name)
+                                             ctx.progress, ctx.name, fresh_grads=ctx.grads == "accumulated")
 
     def assemble(self, ctx: TraceContext) -> tuple[list[Node], list[tuple[int, int]], dict]:
         cap, stages = ctx.state["cap"], ctx.state["stages"]
         profs, loss_prof, rng_flags, mutated = ctx.state["profiles"]
         nodes, edges = _assemble(cap, stages, profs, loss_prof, rng_flags, mutated, ctx.profile, ctx.flops_model,
-                                 backward_edges=self.backward_edges)
+                                 backward_edges=self.backward_edges, grads=ctx.grads)
         m = len(stages)
         return nodes, edges, {
             "depth": self.depth if self.granularity == "module" else None,
@@ -97,9 +99,10 @@ class ModuleFrontend(Frontend):
 # ---- profiling ---------------------------------------------------------------------------------
 def _profile_all(cap: Captured, stages: list[Segment], model: torch.nn.Module, args: tuple, loss_fn: Callable,
                  dev: torch.device, measure_time: bool, warmup: int, repeats: int, flops: bool, progress: bool,
-                 model_name: str):
-    # parameter gradients exist for the whole step (fixed bytes): preallocate them so each
-    # stage's backward accumulates into them; the caller's gradients are put back afterwards
+                 model_name: str, fresh_grads: bool = False):
+    # parameter gradients preallocated so each stage's backward accumulates into them (with
+    # fresh_grads each stage's own are dropped before its measured backward: `profile`); the
+    # caller's gradients are put back afterwards
     trainable = [p for p in model.parameters() if p.requires_grad]
     stashed = [(p, p.grad) for p in trainable]
     for p in trainable:
@@ -107,7 +110,7 @@ def _profile_all(cap: Captured, stages: list[Segment], model: torch.nn.Module, a
     statics = list(model.parameters()) + list(model.buffers()) + [p.grad for p in trainable]
     try:
         return _profile_stages(cap, stages, args, loss_fn, dev, measure_time, warmup, repeats, flops, progress,
-                               model_name, statics)
+                               model_name, statics, fresh_grads)
     finally:
         for p, g in stashed:
             p.grad = g
@@ -115,7 +118,7 @@ def _profile_all(cap: Captured, stages: list[Segment], model: torch.nn.Module, a
 
 def _profile_stages(cap: Captured, stages: list[Segment], args: tuple, loss_fn: Callable, dev: torch.device,
                     measure_time: bool, warmup: int, repeats: int, flops: bool, progress: bool, model_name: str,
-                    statics: list):
+                    statics: list, fresh_grads: bool = False):
     from tqdm import tqdm
 
     env: dict = dict(cap.values)
@@ -124,7 +127,8 @@ def _profile_stages(cap: Captured, stages: list[Segment], args: tuple, loss_fn: 
     profs: list[StageProfile] = []
     rng_flags: list[bool] = []
     mutated: list[list[str]] = []
-    kw = dict(device=dev, measure_time=measure_time, warmup=warmup, repeats=repeats, flops=flops)
+    kw = dict(device=dev, measure_time=measure_time, warmup=warmup, repeats=repeats, flops=flops,
+              fresh_grads=fresh_grads)
     with tqdm(total=len(stages) + 1, desc=f"profiling {model_name}", unit="node", file=sys.stderr,
               disable=not progress, leave=False) as bar:
         for s in stages:
@@ -232,7 +236,7 @@ def _saved_preds(s: Segment, p: StageProfile, producer: dict, preds: list[int]) 
 
 def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], loss_prof: StageProfile,
               rng_flags: list[bool], mutated: list[list[str]], profile: str, fm: FlopsModel,
-              backward_edges: str = "saved") -> tuple[list[Node], list[tuple[int, int]]]:
+              backward_edges: str = "saved", grads: str = "resident") -> tuple[list[Node], list[tuple[int, int]]]:
     m = len(stages)
     producer = {o: j for j, s in enumerate(stages) for o in s.outputs}
     preds: list[list[int]] = []
@@ -283,14 +287,23 @@ def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], l
         loss_extra["flops"] = lp.fwd_flops + lp.bwd_flops
     nodes.append(Node(loss, "loss", "loss", float(t_fwd(lp) + t_bwd(lp)), int(lp.grad_bytes), int(max(0, loss_ws)),
                       loss_extra))
+    accumulated: set = set()  # parameters whose gradient an earlier backward node allocated
     for v in reversed(range(m)):
         p = profs[v]
         extra = {"forward": v, "param_grad_bytes": p.param_grad_bytes}
         if profile == "flops":
             extra["flops"] = p.bwd_flops
+        persistent = 0
+        ws = int(p.bwd_workspace) if p.differentiable else 0
+        if grads == "accumulated" and p.differentiable:
+            # each gradient is allocated by the first backward node that accumulates it and lives
+            # to the step's end (the profile's workspace holds all of this stage's while it runs;
+            # one an earlier node made, of a shared parameter, is only added into)
+            first = {k: b for k, b in p.param_grads.items() if k not in accumulated}
+            persistent = sum(first.values())
+            accumulated.update(first)
         nodes.append(Node(bwd[v], f"grad_{stages[v].name}", "backward", float(t_bwd(p)),
-                          int(p.grad_bytes) if p.differentiable else 0,
-                          int(p.bwd_workspace) if p.differentiable else 0, extra))
+                          int(p.grad_bytes) if p.differentiable else 0, ws, extra, persistent_bytes=int(persistent)))
     edges: list[tuple[int, int]] = []
     for v in range(m):
         for u in preds[v]:

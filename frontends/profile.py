@@ -10,10 +10,15 @@ the stage writes into them), parameters are the model's own.  Per stage:
   (``saved_tensors_hooks``), leaving out parameters, buffers and the stage's inputs (a saved
   input is its producer's output, counted there);
 * workspace: the peak of storages allocated while the stage runs above what it keeps
-  (`StorageTracker`); for the backward, above the input gradients it returns.  Parameter
-  gradients exist before the backward (they are fixed bytes) and accumulate in place, so the
-  backward's workspace holds each new parameter gradient only until it is added, as in a
-  training loop that keeps its gradients (``zero_grad(set_to_none=False)``).
+  (`StorageTracker`); for the backward, above the input gradients it returns.  With
+  ``fresh_grads`` (a loop that zeroes gradients with PyTorch's default
+  ``zero_grad(set_to_none=True)``) the stage's parameter gradients are None when its backward
+  starts, as at their first accumulation: the workspace is the peak with the ones it allocates
+  (``param_grads``, which stay: the graph's persistent bytes) and the saved tensors autograd
+  frees as it goes, as the backward really runs.  Without it, parameter
+  gradients exist before the backward (fixed bytes) and accumulate in place, so the backward's
+  workspace holds each new parameter gradient only until it is added, as in a loop that keeps
+  them (``zero_grad(set_to_none=False)``).
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ class StageProfile:
     fwd_workspace: int = 0
     grad_bytes: int = 0            # gradients w.r.t. the stage's activation inputs
     param_grad_bytes: int = 0
+    param_grads: dict = field(default_factory=dict)   # parameter (storage key) -> its gradient's bytes
     bwd_workspace: int = 0
     saves_input: list = field(default_factory=list)   # per input: does autograd save its storage
     saves_output: bool = False                        # does autograd save one of the outputs
@@ -206,7 +212,7 @@ def _backward(outs: list, grad_outs: list | None, leaves: list, params: list) ->
 
 def profile_runner(runner: Runner, *, device: torch.device, ignore: list, measure_time: bool, warmup: int,
                    repeats: int, grad_outputs: Callable[[list], list] | None = None,
-                   flops: bool = False) -> tuple[StageProfile, list]:
+                   flops: bool = False, fresh_grads: bool = False) -> tuple[StageProfile, list]:
     """Profile one stage (see the module docstring).  Returns (profile, [(output, whether it
     requires grad)]) from the measured run, for the stages that consume them.
 
@@ -224,7 +230,7 @@ def profile_runner(runner: Runner, *, device: torch.device, ignore: list, measur
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        prof, outs, gouts = _measured_run(runner, ignore, grad_outputs, flops, device)
+        prof, outs, gouts = _measured_run(runner, ignore, grad_outputs, flops, device, fresh_grads)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -259,7 +265,8 @@ def _warm_run(runner: Runner, grad_outputs: Callable[[list], list] | None) -> No
 
 
 def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], list] | None,
-                  flops: bool, device: torch.device = torch.device("cpu")) -> tuple[StageProfile, list, list | None]:
+                  flops: bool, device: torch.device = torch.device("cpu"),
+                  fresh_grads: bool = False) -> tuple[StageProfile, list, list | None]:
     prof = StageProfile()
     args, leaves, clones = runner.make_inputs()
     tracker = StorageTracker(record_events=True)
@@ -308,6 +315,9 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
         # left out of this node's backward figures
         gouts = grad_outputs(diff) if grad_outputs else [torch.ones_like(o) for o in diff]
         gout_keys = {storage_key(g) for g in gouts or []}
+        if fresh_grads:
+            for p in runner.params:
+                p.grad = None
         mb = tracker.mark()
         with (counter_b or _null()), AllocatorWindow(device) as alloc_b:
             grads = _backward(diff, gouts, leaves, runner.params)
@@ -321,6 +331,7 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
         artefacts = {tracker.uid(leaf.grad) for leaf in leaves
                      if leaf.grad is not None and storage_key(leaf.grad) not in in_keys} - {None}
         prof.param_grad_bytes = unique_bytes(p.grad for p in runner.params if p.grad is not None)
+        prof.param_grads = {storage_key(p): storage_bytes(p.grad) for p in runner.params if p.grad is not None}
         prof.bwd_workspace = (max(0, tracker.peak_between(mb, m2, exclude=artefacts) - new_grad_bytes)
                               + alloc_b.hidden(tracker.peak_between(mb, m2)))
         prof.bwd_alloc_bytes = sum(d for k, d in tracker.events[mb:m2] if d > 0 and k not in artefacts)

@@ -4,9 +4,11 @@
 Each step draws a fresh random batch shaped like the example (floating tensors ``randn``,
 integer tensors uniform in ``[0, max(example) + 1)``, so token ids stay in the vocabulary), runs
 ``loss = planned(*batch); loss.backward(); optimizer.step()`` with plain SGD, and measures the
-step's peak device bytes and wall time with `remat.measure`.  Gradients are zeroed in place
-(``zero_grad(set_to_none=False)``): a plan counts parameter gradients as fixed bytes alive for
-the whole step, and a step that frees them at its start peaks a little lower.  One untimed
+step's peak device bytes and wall time with `remat.measure`.  Gradients are zeroed as the graph
+was traced for (`gradients_to_none`): with ``meta["grads"] == "accumulated"`` by PyTorch's
+default ``zero_grad()`` (set to None: each step allocates them in its backward, the backward
+nodes' persistent bytes), with ``"resident"`` (and in graphs that do not say) in place,
+``zero_grad(set_to_none=False)``, so they are fixed bytes alive for the whole step.  One untimed
 warm-up step comes first (it allocates the gradients and, on CUDA, the pinned host buffers).
 The same accounting then measures as many plain autograd steps, for the ratio of step times
 (on the CPU the accounting's per-op cost is in both times: compare the ratio, not the times).
@@ -29,7 +31,14 @@ from .measuring import Measurement, measure
 from .base import default_loss, split_inputs
 
 
-__all__ = ["run_plan", "RunReport", "random_batch"]
+__all__ = ["run_plan", "RunReport", "random_batch", "gradients_to_none"]
+
+
+def gradients_to_none(plan: Plan) -> bool:
+    """The ``set_to_none`` of the ``zero_grad`` a step of `plan` expects: True when its graph
+    counts parameter gradients as allocated at their first accumulation
+    (``meta["grads"] == "accumulated"``), False when they are fixed bytes."""
+    return plan.graph.meta.get("grads") == "accumulated"
 
 
 @dataclass
@@ -110,6 +119,7 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     report = RunReport(plan, str(dev))
+    to_none = gradients_to_none(plan)
 
     def fixed(batch: tuple) -> list:
         return (list(model.parameters()) + list(model.buffers()) + tree_flatten(batch)[0]
@@ -117,7 +127,7 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
 
     for k in range(steps + 1):  # step 0: warm-up
         batch = random_batch(args, gen, dev)
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=to_none)
         box: list[torch.Tensor] = []
 
         def step() -> None:
@@ -135,8 +145,8 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
             on_step(k, report.losses[-1], m)
     for _ in range(steps if plain else 0):
         batch = random_batch(args, gen, dev)
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=to_none)
         report.plain_steps.append(measure(lambda: loss_fn(model(*batch), *batch).backward(), dev,
                                           resident=fixed(batch)))
-    opt.zero_grad(set_to_none=False)
+    opt.zero_grad(set_to_none=to_none)
     return report

@@ -6,8 +6,10 @@ graph where it can be captured, else ``"op-stages"`` (the log and ``meta["captur
 why).  `base.trace_with` runs the chosen frontend's capture, cut, profile and assembly with the
 model's buffers and the RNG state restored afterwards.
 
-``fixed_bytes`` = parameters + their gradients + buffers + inputs (+ optimizer state when
-``optimizer`` names one); the breakdown sits in ``meta["fixed_breakdown"]``.
+``fixed_bytes`` = parameters + buffers + inputs (+ optimizer state when ``optimizer`` names
+one; + the parameters' gradients with ``grads="resident"``); the breakdown sits in
+``meta["fixed_breakdown"]``.  By default (``grads="accumulated"``) each gradient is the
+persistent bytes of the backward node that first accumulates it.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
           granularity: str = "module", profile: str = "measure", device: "str | torch.device | None" = None,
           repeats: int | None = None, *, depth: int = 1, warmup: int = 1, example_kwargs: dict | None = None,
           optimizer: str | None = None, name: str | None = None, flops_model: FlopsModel | None = None,
-          capture_with: str = "auto", backward_edges: str = "saved", progress: bool = False) -> Graph:
+          capture_with: str = "auto", backward_edges: str = "saved", progress: bool = False,
+          grads: str = "accumulated") -> Graph:
     """Trace and profile one training step of `model` on `example_inputs`; return its `Graph`.
 
     example_inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments
@@ -63,6 +66,11 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         autograd saved them, as measured) or ``"all"`` (always, as `remat.generators.from_forward`
         and Checkmate do).  Gradient edges (from consumers' backward nodes) are always there.
     progress: a progress bar on stderr.
+    grads: how the training loop treats parameter gradients between steps: ``"accumulated"``
+        (PyTorch's default ``optimizer.zero_grad()``, ``set_to_none=True``: each gradient is
+        allocated at its first accumulation in the backward and lives to the step's end) or
+        ``"resident"`` (``zero_grad(set_to_none=False)``: kept between steps, fixed bytes).
+        ``meta["grads"]`` records it; `remat.run_plan` zeroes gradients accordingly.
 
     The model's buffers (BatchNorm running statistics) and the global RNG state are restored
     afterwards; the model is otherwise left as it was (training or eval mode is the caller's).
@@ -72,7 +80,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
     if profile not in PROFILES:
         raise InvalidInputError(f"profile: expected one of {PROFILES}, got {profile!r}")
     options = dict(example_kwargs=example_kwargs, loss_fn=loss_fn, profile=profile, device=device, repeats=repeats,
-                   warmup=warmup, optimizer=optimizer, name=name, flops_model=flops_model)
+                   warmup=warmup, optimizer=optimizer, name=name, flops_model=flops_model, grads=grads)
     notes = []
     if granularity in ("op", "joint"):
         frontend: Frontend = JointFrontend()

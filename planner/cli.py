@@ -333,12 +333,15 @@ def _add_trace_options(p: argparse.ArgumentParser) -> None:
                    "adam, adamw, rmsprop, adagrad")
     g.add_argument("--capture", choices=("auto", "export", "eager"), default="auto",
                    help="torch.export with an eager fallback (default), export only, or eager recording")
+    g.add_argument("--grads", choices=("accumulated", "resident"), default="accumulated",
+                   help="parameter gradients: allocated at their first accumulation, as with PyTorch's default "
+                   "zero_grad() (default), or resident for the whole step, as with zero_grad(set_to_none=False)")
 
 
 def trace_options(args: argparse.Namespace) -> dict:
     """`remat.trace`'s options from the arguments of `_add_trace_options`."""
     return {"granularity": args.granularity, "depth": args.depth, "profile": args.profile, "repeats": args.repeats,
-            "optimizer": args.optimizer, "capture_with": args.capture}
+            "optimizer": args.optimizer, "capture_with": args.capture, "grads": args.grads}
 
 
 def _add_solver_options(p: argparse.ArgumentParser, time_limit: float) -> None:

@@ -189,7 +189,7 @@ def run_trace(args: Any) -> int:
     graph = trace_model(args.model, batch=args.batch, input_shape=parse_shape(args.input_shape), full=args.full,
                         progress=not args.no_progress, granularity=args.granularity, depth=args.depth,
                         profile=args.profile, device=args.device, repeats=args.repeats, optimizer=args.optimizer,
-                        capture_with=args.capture)
+                        capture_with=args.capture, grads=args.grads)
     m = graph.meta
     fb = m["fixed_breakdown"]
     n_fwd = len(graph.forward_ids())
@@ -204,8 +204,10 @@ def run_trace(args: Any) -> int:
     print(f"capture    {m['capture']}, {m['granularity']} granularity"
           + (f" (depth {m['depth']})" if m.get("depth") else "")
           + f": {n_fwd} forward nodes, {graph.n} nodes, {len(graph.edges)} edges")
-    print(f"memory     fixed {format_bytes(graph.fixed_bytes)} (parameters {format_bytes(fb['parameters'])}, gradients "
-          f"{format_bytes(fb['gradients'])}, buffers {format_bytes(fb['buffers'])}, inputs {format_bytes(fb['inputs'])}, "
+    grads = (f"gradients {format_bytes(fb['gradients'])}" if m.get("grads") != "accumulated" else
+             f"gradients {format_bytes(graph.persistent_total)} allocated in the backward")
+    print(f"memory     fixed {format_bytes(graph.fixed_bytes)} (parameters {format_bytes(fb['parameters'])}, {grads}, "
+          f"buffers {format_bytes(fb['buffers'])}, inputs {format_bytes(fb['inputs'])}, "
           f"optimizer {format_bytes(fb['optimizer'])}"
           + (f", CUDA libraries' workspaces {format_bytes(fb['runtime'])}" if "runtime" in fb else "")
           + f"); checkpoint-all peak {format_bytes(baseline_peak(graph))}")

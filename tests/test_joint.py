@@ -21,6 +21,7 @@ from remat.frontends import default_loss, measure_peak, zoo  # noqa: E402
 from remat.frontends.capture import CaptureError  # noqa: E402
 from remat.frontends import apply  # noqa: E402
 from remat.frontends.joint_executor import PlannedJointStep  # noqa: E402
+from remat.frontends.run import gradients_to_none  # noqa: E402
 from remat.core.plan import Plan  # noqa: E402
 from remat.core.schedule import Op, Schedule  # noqa: E402
 from remat.solvers.ilp import min_feasible_budget  # noqa: E402
@@ -48,25 +49,32 @@ def small_graph():
 def test_linear_relu_linear_graph_matches_hand_computed_nodes_edges_and_bytes(small_graph):
     model, inputs, g = small_graph
     B, I, H, O = 5, 8, 16, 4
-    # (name, kind, bytes, workspace): workspace = a parameter gradient, accumulated into .grad at once
+    # (name, kind, bytes, workspace, persistent): a parameter gradient is its node's workspace while
+    # it runs and, as the parameter's first gradient of the step (PyTorch's default loop), its
+    # persistent bytes: it becomes .grad as it is (autograd's steal) and stays to the step's end
     expected = [
-        ("addmm", "forward", B * H * F32, 0),            # x @ W1^T + b1
-        ("relu", "forward", B * H * F32, 0),             # (its detach aliases merged in)
-        ("addmm_1", "forward", B * O * F32, 0),          # logits
-        ("loss", "loss", 2 * F32, 0),                    # sum + its seed ones_like
-        ("mm", "backward", B * H * F32, 0),              # dL/d relu = seed.expand @ W2
-        ("mm_1", "backward", 0, O * H * F32),            # dL/dW2 -> .grad
-        ("sum_2", "backward", 0, O * F32),               # dL/db2 -> .grad
-        ("threshold_backward", "backward", B * H * F32, 0),
-        ("mm_2", "backward", 0, H * I * F32),            # dL/dW1 -> .grad
-        ("sum_3", "backward", 0, H * F32),               # dL/db1 -> .grad
+        ("addmm", "forward", B * H * F32, 0, 0),            # x @ W1^T + b1
+        ("relu", "forward", B * H * F32, 0, 0),             # (its detach aliases merged in)
+        ("addmm_1", "forward", B * O * F32, 0, 0),          # logits
+        ("loss", "loss", 2 * F32, 0, 0),                    # sum + its seed ones_like
+        ("mm", "backward", B * H * F32, 0, 0),              # dL/d relu = seed.expand @ W2
+        ("mm_1", "backward", 0, O * H * F32, O * H * F32),  # dL/dW2 -> .grad
+        ("sum_2", "backward", 0, O * F32, O * F32),         # dL/db2 -> .grad
+        ("threshold_backward", "backward", B * H * F32, 0, 0),
+        ("mm_2", "backward", 0, H * I * F32, H * I * F32),  # dL/dW1 -> .grad
+        ("sum_3", "backward", 0, H * F32, H * F32),         # dL/db1 -> .grad
     ]
-    assert [(v.name, v.kind, v.bytes, v.workspace_bytes) for v in g.nodes] == expected
+    assert [(v.name, v.kind, v.bytes, v.workspace_bytes, v.persistent_bytes) for v in g.nodes] == expected
     assert g.edges == [(0, 1), (1, 2), (1, 5), (1, 7), (2, 3), (3, 4), (3, 5), (3, 6), (4, 7), (7, 8), (7, 9)]
     assert [v.extra.get("param_grads") for v in g.nodes][5:] == [["2.weight"], ["2.bias"], None, ["0.weight"],
                                                                 ["0.bias"]]
     params = (I * H + H + H * O + O) * F32
-    assert g.fixed_bytes == 2 * params + B * I * F32   # parameters + gradients + input
+    assert g.fixed_bytes == params + B * I * F32   # parameters + input (the gradients: persistent bytes)
+    assert g.persistent_total == params
+    kept = remat.trace(model, inputs, granularity="joint", profile="flops", grads="resident")
+    # a loop that keeps its gradients: fixed bytes, and each new one a transient added into them
+    assert kept.fixed_bytes == 2 * params + B * I * F32 and kept.persistent_total == 0
+    assert [(v.bytes, v.workspace_bytes) for v in kept.nodes] == [(b, w) for _, _, b, w, _ in expected]
     assert g.meta["granularity"] == "joint" and g.meta["joint"]["seed"] == "ones_like"
     assert all(v.time > 0 for v in g.nodes)
     # JSON round trip: what apply needs (op names) survives
@@ -153,8 +161,9 @@ def test_measured_peak_is_the_predicted_peak(planned):
         mine = copy.deepcopy(model)
         step = apply(mine, plan, inputs)
         step(*inputs).backward()   # gradients exist from now on, as in a training loop
-        mine.zero_grad(set_to_none=False)
-        resident = list(mine.parameters()) + list(mine.buffers()) + list(inputs) + [p.grad for p in mine.parameters()]
+        mine.zero_grad(set_to_none=gradients_to_none(plan))
+        resident = list(mine.parameters()) + list(mine.buffers()) + list(inputs) + [p.grad for p in mine.parameters()
+                                                                                    if p.grad is not None]
         peak = measure_peak(lambda: step(*inputs).backward(), resident=resident)
         predicted = plan.predicted["peak_bytes"]
         assert abs(peak - predicted) <= PEAK_TOLERANCE * predicted, (name, budget, peak, predicted)
@@ -218,8 +227,11 @@ def test_gpt2_traces_validates_plans_and_runs():
     g = remat.Graph.from_dict(g.to_dict())   # validates
     kinds = [v.kind for v in g.nodes]
     assert kinds.count("loss") == 1 and kinds.index("loss") == kinds.count("forward")
-    assert len(g.meta["rng_nodes"]) > 0 and g.fixed_bytes == g.meta["fixed_breakdown"]["parameters"] * 2 \
-        + g.meta["fixed_breakdown"]["buffers"] + g.meta["fixed_breakdown"]["inputs"]
+    fb = g.meta["fixed_breakdown"]
+    assert len(g.meta["rng_nodes"]) > 0 and g.fixed_bytes == fb["parameters"] + fb["buffers"] + fb["inputs"]
+    # the tied embedding / head weight: one gradient, allocated by the first node that makes it
+    # (the head's), added into by the embedding's backward
+    assert g.persistent_total == fb["parameters"]
     plan = remat.plan(g, "1.0x", solver="ilp", swap=False, time_limit=15)
     assert remat.simulate(g, plan.schedule).valid
     _, _, _, loss_ref, loss = _plain_and_planned(model, inputs, plan)
