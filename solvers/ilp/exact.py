@@ -45,10 +45,10 @@ from remat.core.errors import InfeasibleBudgetError, SolverError
 from remat.core.graph import Graph
 from remat.core.schedule import Schedule
 from remat.core.simulate import simulate
-from remat.solvers import griewank, stage_order
+from remat.solvers import baselines, griewank, stage_order
 
 from . import bounds, instant, mip, warm
-from .checkmate import build_model, integral, schedule_from_model, set_warm_start, solve_relaxation
+from .checkmate import build_model, integral, prune_waste, schedule_from_model, set_warm_start, solve_relaxation
 
 log = logging.getLogger(__name__)
 
@@ -392,11 +392,16 @@ def min_feasible_budget(graph: Graph, swap: bool = True, time_limit: float | Non
     if any(P):
         m.prob.addConstraint(peak >= sum(P), "peak_end")  # (the step's end)
     m.prob.setObjective(peak)
-    out = mip.run(m, "cbc", time_limit, 0.0, None, False, False)
-    if out["sol_status"] not in (1, 2):
-        raise SolverError("could not find any feasible schedule to size the budget")
-    sched = schedule_from_model(graph, m)
+    # checkpoint-all fits this budget: CBC starts from it (without a start it may find no
+    # schedule at all in the time limit on graphs of a hundred nodes), and it is the answer
+    # when CBC improves on nothing
+    start = prune_waste(graph, baselines.checkpoint_all(graph))
+    set_warm_start(m, start)
+    out = mip.run(m, "cbc", time_limit, 0.0, None, True, False)
+    sched = schedule_from_model(graph, m) if out["sol_status"] in (1, 2) else start
     res = simulate(graph, sched, bandwidth)
+    if not res.valid:
+        raise SolverError(f"the smallest-peak schedule does not replay: {res.violation}")
     lb_units = int(math.ceil((out["bound"] if out["bound"] is not None else 0.0) - 1e-6))
     if m.meta["quantised"]:  # each of at most n outputs, one workspace and the persistent sizes was rounded up by < q
         lb_units -= graph.n + 1 + sum(1 for v in graph.nodes if v.persistent_bytes)
