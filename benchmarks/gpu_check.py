@@ -76,14 +76,16 @@ def checkpoint_blocks(model: nn.Module, graph: remat.Graph) -> nn.Module:
     return model
 
 
-def time_steps(model: nn.Module, example: tuple, device: torch.device, steps: int) -> tuple[float, int]:
-    """(median step seconds, peak bytes) of plain training steps of `model`."""
+def time_steps(model: nn.Module, example: tuple, device: torch.device, steps: int,
+               set_to_none: bool = False) -> tuple[float, int]:
+    """(median step seconds, peak bytes) of plain training steps of `model`, its gradients zeroed
+    with ``zero_grad(set_to_none)``."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     times, peak = [], 0
     for k in range(steps + 1):
         batch = random_batch(example, gen, device)
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
         m = remat.measure(lambda: default_loss(model(*batch), *batch).backward(), device,
                           resident=list(model.parameters()) + list(model.buffers()) + list(batch)
                           + [p.grad for p in model.parameters() if p.grad is not None])

@@ -1,0 +1,115 @@
+"""remat against checkpointing every block by hand, in PyTorch's default training loop (CPU).
+
+For each case: plain autograd, `torch.utils.checkpoint` (non-reentrant) on every residual block
+(every zoo `Block` / `BasicBlock` / `Bottleneck`), and remat's plans from a module-level trace
+(gradients allocated at their first accumulation, as `zero_grad()` leaves them) at two budgets:
+the peak checkpoint-every-block measured, and the smallest one the planner finds (what
+`remat.plan` names when asked for what every schedule must hold, `analysis.forced_need`).  Every step is
+measured side by side in this one run (`remat.measure`: exact storage accounting on the CPU; the
+median of `--steps` timed steps after a warm-up), with gradients set to None between steps.
+Figures are ratios: remat's peak against checkpointing's, and its step time against
+checkpointing's at the same peak.
+
+    python benchmarks/vs_checkpoint.py                 # GPT-2 (zoo, 4 layers, batch 16, seq 256), ResNet-50 (batch 8, 64 px)
+    python benchmarks/vs_checkpoint.py --cases gpt2 --steps 5
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import _Checkpointed, time_steps  # noqa: E402  (the same wrapper and loop)
+
+import remat  # noqa: E402
+from remat.frontends import zoo  # noqa: E402
+from remat.frontends.run import run_plan  # noqa: E402
+from remat.core.analysis import forced_need  # noqa: E402
+from remat.core.errors import InfeasibleBudgetError  # noqa: E402
+
+# name -> (zoo model, zoo settings, trace depth)
+CASES = {
+    "gpt2": ("gpt2", {"batch": 16, "seq_len": 256, "n_layer": 4}, 3),
+    "resnet50": ("resnet50", {"batch": 8, "image_size": 64}, 2),
+}
+BLOCKS = ("Block", "BasicBlock", "Bottleneck")
+COLUMNS = ("case", "nodes", "plain_peak", "plain_s", "ckpt_peak", "ckpt_s", "at_ckpt_peak", "at_ckpt_s",
+           "at_ckpt_predicted_peak", "at_ckpt_predicted_overhead", "tightest_peak", "tightest_s",
+           "tightest_predicted_peak", "tightest_over_ckpt_peak", "at_ckpt_over_ckpt_time")
+
+
+def checkpoint_every_block(model: nn.Module) -> nn.Module:
+    """A copy of `model` with every residual block wrapped in `torch.utils.checkpoint`."""
+    model = copy.deepcopy(model)
+    for name, mod in list(model.named_modules()):
+        if type(mod).__name__ in BLOCKS:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, _Checkpointed(mod))
+    return model
+
+
+def run_case(case: str, steps: int, time_limit: float) -> dict:
+    name, kw, depth = CASES[case]
+    model, example = zoo.get(name, **kw)
+    example = example if isinstance(example, tuple) else (example,)
+    dev = torch.device("cpu")
+    plain_s, plain_peak = time_steps(model, example, dev, steps, set_to_none=True)
+    ckpt_s, ckpt_peak = time_steps(checkpoint_every_block(model), example, dev, steps, set_to_none=True)
+    graph = remat.trace(model, example, depth=depth, name=case)
+    row = {"case": case, "nodes": graph.n, "plain_peak": plain_peak, "plain_s": plain_s, "ckpt_peak": ckpt_peak,
+           "ckpt_s": ckpt_s}
+    plans = {"at_ckpt": remat.plan(graph, ckpt_peak, swap=False, time_limit=time_limit)}
+    try:  # the smallest budget the planner finds, as a user asking for too little is told
+        remat.plan(graph, forced_need(graph), swap=False, time_limit=time_limit)
+        tight = forced_need(graph)
+    except InfeasibleBudgetError as e:
+        tight = e.min_feasible_bytes
+    plans["tightest"] = remat.plan(graph, tight, swap=False, time_limit=time_limit)
+    for key, plan in plans.items():
+        rep = run_plan(copy.deepcopy(model), example, plan, steps=steps, plain=False)
+        row[f"{key}_peak"], row[f"{key}_s"] = rep.peak_bytes, rep.step_time
+        row[f"{key}_predicted_peak"] = plan.predicted["peak_bytes"]
+        if key == "at_ckpt":
+            row["at_ckpt_predicted_overhead"] = plan.predicted["overhead"]
+    row["tightest_over_ckpt_peak"] = row["tightest_peak"] / ckpt_peak
+    row["at_ckpt_over_ckpt_time"] = row["at_ckpt_s"] / ckpt_s
+    mib = 2 ** 20
+    print(f"{case}: {graph.n} nodes; plain {plain_peak / mib:.1f} MiB {plain_s * 1e3:.0f} ms; checkpoint every block "
+          f"{ckpt_peak / mib:.1f} MiB ({ckpt_peak / plain_peak:.2f}x) {ckpt_s / plain_s:.2f}x time; remat at that peak "
+          f"{row['at_ckpt_peak'] / mib:.1f} MiB {row['at_ckpt_s'] / plain_s:.2f}x time (predicted "
+          f"{row['at_ckpt_predicted_overhead']:.2f}x); remat tightest {row['tightest_peak'] / mib:.1f} MiB = "
+          f"{row['tightest_over_ckpt_peak']:.2f}x checkpointing's peak, {row['tightest_s'] / plain_s:.2f}x time",
+          flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--out", default="benchmarks/out/vs_checkpoint.csv")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [run_case(c.strip(), args.steps, args.time_limit) for c in args.cases.split(",") if c.strip()]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
