@@ -86,6 +86,7 @@ class JointCapture:
     """The functional joint graph and what its placeholders and outputs mean."""
     gm: fx.GraphModule
     placeholders: dict        # fx node -> ("parameter" | "buffer", FQN) | ("input", flat tensor index)
+                              # | ("constant", attribute of gm): a tensor the trace lifted as a constant
     loss: fx.Node             # the user output (the loss value)
     param_grads: dict         # fx node -> [parameter FQN, ...]: its value is that parameter's gradient
     buffer_updates: dict      # fx node -> [buffer FQN, ...]: its value is the buffer's new value
@@ -121,10 +122,27 @@ def capture_joint(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Ca
     args = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, args)
     kwargs = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, kwargs)
     snapshot = [(b, b.detach().clone()) for b in model.buffers()]
+    frozen: list = []
+    untied: list = []
     try:
         with torch.random.fork_rng(devices=[]), quiet_torch_logs():
-            gm, sig = aot_export_module(wrapper, args, trace_joint=True, output_loss_index=0,
-                                        kwargs=kwargs or None)
+            try:
+                gm, sig = aot_export_module(wrapper, args, trace_joint=True, output_loss_index=0,
+                                            kwargs=kwargs or None)
+            except AssertionError as e:
+                if "did not receive a gradient" not in str(e):
+                    raise
+                # a trainable parameter the loss does not reach (a pooler a masked-LM head
+                # skips), or one name of a tied parameter that the forward never uses (BERT's
+                # ``cls.predictions.bias``, used as ``decoder.bias``): aot_export_module makes one
+                # input per name.  Plain autograd leaves such a .grad alone; so does the joint
+                # graph once each name is its own tensor and the unused ones do not require grad
+                untied = _untie(model)
+                frozen = unused_parameters(model, lambda: wrapper(*args, **kwargs)[0])
+                for p in frozen:
+                    p.requires_grad_(False)
+                gm, sig = aot_export_module(wrapper, args, trace_joint=True, output_loss_index=0,
+                                            kwargs=kwargs or None)
     except InvalidInputError:
         raise
     except Exception as e:  # noqa: BLE001
@@ -138,11 +156,15 @@ def capture_joint(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Ca
                            f"{first[:300]}; use granularity 'op-stages' or 'module', which fall back to an "
                            "eager recording") from e
     finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        for mod, attr, param in reversed(untied):
+            setattr(mod, attr, param)
         with torch.no_grad():
             for b, saved in snapshot:
                 b.copy_(saved)
     by_name = {n.name: n for n in gm.graph.nodes}
-    ph = {}
+    ph = {n: ("constant", n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     for name, fqn in sig.inputs_to_parameters.items():
         ph[by_name[name]] = ("parameter", _strip(fqn))
     for name, fqn in sig.inputs_to_buffers.items():
@@ -174,18 +196,54 @@ def capture_joint(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Ca
     return JointCapture(gm, ph, loss, grads, updates, by_name)
 
 
+def unused_parameters(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> list:
+    """The trainable parameters of `model` that the loss `loss()` does not depend on: one
+    forward on the real inputs (no backward), walking its autograd graph to the leaves."""
+    with torch.random.fork_rng(devices=[]):
+        out = loss()
+    reached, todo, seen = set(), [out.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            reached.add(id(var))
+        todo.extend(f for f, _ in fn.next_functions)
+    del out
+    return [p for p in model.parameters() if p.requires_grad and id(p) not in reached]
+
+
+def _untie(model: torch.nn.Module) -> list:
+    """Give every second and later name of a tied parameter a Parameter of its own on the same
+    storage (in place, until undone); returns ``(module, attribute, the tied parameter)`` to undo."""
+    seen, undo = set(), []
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            owner, _, attr = fqn.rpartition(".")
+            mod = model.get_submodule(owner)
+            setattr(mod, attr, torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad))
+            undo.append((mod, attr, p))
+        seen.add(id(p))
+    return undo
+
+
 def _strip(fqn: str) -> str:
     return fqn[len(WRAPPER_PREFIX):] if fqn.startswith(WRAPPER_PREFIX) else fqn
 
 
 def placeholder_values(cap: JointCapture, model: torch.nn.Module, flat_inputs: list) -> dict:
-    """fx placeholder -> the real tensor: the model's parameters and buffers, the call's inputs."""
+    """fx placeholder -> the real tensor: the model's parameters and buffers, the call's inputs,
+    the graph's lifted constants."""
     out = {}
     for n, (kind, what) in cap.placeholders.items():
         if kind == "parameter":
             out[n] = model.get_parameter(what)
         elif kind == "buffer":
             out[n] = model.get_buffer(what)
+        elif kind == "constant":
+            out[n] = getattr(cap.gm, what)
         else:
             out[n] = flat_inputs[what]
     return out
