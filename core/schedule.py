@@ -88,6 +88,13 @@ class Schedule:
         return cls.from_stages(graph, [Stage(sorted(R[t]), sorted(S[t]), sorted(SO[t]), sorted(SI[t]))
                                        for t in range(T)])
 
+    @classmethod
+    def keep_all(cls, graph: Graph) -> "Schedule":
+        """Plain autograd's schedule: every node computed once, in id order, each value kept
+        from its compute to its last use (no recomputation, no swap)."""
+        last_use = [max(s, default=v) for v, s in enumerate(graph.succs)]
+        return cls.from_sets(graph, [{v for v in range(t) if last_use[v] >= t} for t in range(graph.n)])
+
     # ---- views -----------------------------------------------------------------------
     def matrices(self, n: int):
         """Dense 0/1 numpy matrices (R, S, SO, SI), each T x n; SI holds both kinds of swap-in

@@ -37,7 +37,7 @@ from remat.core.graph import Node
 from .base import Frontend, TraceContext
 from .capture import Captured, capture
 from .profile import FlopsModel, Runner, StageProfile, is_random, profile_runner, release_plan, run_nodes, writes_of
-from .segments import Segment, cut
+from .segments import Segment, auto_depth, cut, group_modules, repeated_blocks
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +46,19 @@ CAPTURES = ("auto", "export", "eager")
 
 
 class ModuleFrontend(Frontend):
-    """``granularity="module"``: one node per call of a module at `depth` (`stages.cut`);
+    """``granularity="module"``: one node per call of a module at `depth` (`stages.cut`;
+    ``"auto"``: `segments.auto_depth`, the shallowest depth with repeated blocks);
     ``"op-stages"``: one per ATen op of the forward.  `capture_with`: ``"auto"`` (torch.export,
     an eager recording when it fails), ``"export"`` or ``"eager"``.  `backward_edges`:
     ``"saved"`` (the backward of v reads v's output and inputs only where autograd saved them)
     or ``"all"`` (always, as Checkmate does)."""
 
-    def __init__(self, granularity: str = "module", depth: int = 1, capture_with: str = "auto",
+    def __init__(self, granularity: str = "module", depth: "int | str" = 1, capture_with: str = "auto",
                  backward_edges: str = "saved"):
         if granularity not in GRANULARITIES:
             raise InvalidInputError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
-        if not isinstance(depth, int) or depth < 1:
-            raise InvalidInputError(f"depth: must be a whole number >= 1, got {depth!r}")
+        if depth != "auto" and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
+            raise InvalidInputError(f"depth: must be a whole number >= 1 or 'auto', got {depth!r}")
         if capture_with not in CAPTURES:
             raise InvalidInputError(f"capture_with: expected one of {CAPTURES}, got {capture_with!r}")
         if backward_edges not in ("saved", "all"):
@@ -70,6 +71,12 @@ class ModuleFrontend(Frontend):
 
     def cut(self, ctx: TraceContext) -> None:
         cap = ctx.state["cap"]
+        if self.depth == "auto":
+            self.depth = auto_depth(ctx.model)
+            blocks = repeated_blocks(group_modules(ctx.model, self.depth))
+            ctx.notes.append(f"depth auto: {self.depth}" + (f" (repeated blocks {blocks[0]} .. {blocks[-1]})"
+                                                             if blocks else " (no repeated blocks found)"))
+            log.info("%s: module depth %s chosen (%s)", ctx.name, self.depth, ctx.notes[-1])
         stages = ctx.state["stages"] = cut(cap, ctx.model, self.granularity, self.depth)
         log.info("captured %s with %s: %d ops in %d stages", ctx.name, cap.method,
                  sum(len(s.nodes) for s in stages), len(stages))

@@ -61,6 +61,38 @@ def group_modules(model: torch.nn.Module, depth: int = 1) -> dict[str, str]:
     return groups
 
 
+MAX_AUTO_DEPTH = 8
+
+
+def repeated_blocks(groups: dict[str, str]) -> list[str]:
+    """Paths of the group modules that are repeated blocks: siblings of one parent (a
+    ``ModuleList``'s layers, a ``Sequential``'s stages) with the class of another sibling."""
+    by_parent: dict[tuple[str, str], list[str]] = {}
+    for path, typ in groups.items():
+        by_parent.setdefault((path.rpartition(".")[0], typ), []).append(path)
+    return sorted(p for paths in by_parent.values() if len(paths) > 1 for p in paths)
+
+
+def auto_depth(model: torch.nn.Module, min_groups: int = 4, max_depth: int = MAX_AUTO_DEPTH) -> int:
+    """The depth `group_modules` should take for `model` when the user names none: the smallest
+    that has at least `min_groups` group modules of which some are repeated blocks
+    (`repeated_blocks`), looking through wrappers (a one-child top module, transformers'
+    ``*ForCausalLM`` around a ``*Model``, plain containers); else the smallest with at least
+    `min_groups` groups; else the deepest (every further level the same, or `max_depth`)."""
+    previous: dict | None = None
+    enough = None
+    for d in range(1, max_depth + 1):
+        groups = group_modules(model, d)
+        if groups == previous:
+            return enough or d - 1
+        if len(groups) >= min_groups:
+            if repeated_blocks(groups):
+                return d
+            enough = enough or d
+        previous = groups
+    return enough or max_depth
+
+
 def _op_name(node: fx.Node) -> str:
     t = node.target
     if isinstance(t, torch._ops.OpOverload):

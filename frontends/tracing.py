@@ -3,7 +3,8 @@
 The granularity picks the frontend (`base.Frontend`): ``"module"`` and ``"op-stages"`` are
 `modules.ModuleFrontend`'s, ``"joint"`` is `joint.JointFrontend`'s, and ``"op"`` is the joint
 graph where it can be captured, else ``"op-stages"`` (the log and ``meta["capture_notes"]`` say
-why).  `base.trace_with` runs the chosen frontend's capture, cut, profile and assembly with the
+why); ``"auto"`` (the default) traces both the module graph and the joint graph and keeps the
+finer one where it describes the step as well (`trace`).  `base.trace_with` runs the chosen frontend's capture, cut, profile and assembly with the
 model's buffers and the RNG state restored afterwards.
 
 ``fixed_bytes`` = parameters + buffers + inputs (+ optimizer state when ``optimizer`` names
@@ -19,7 +20,10 @@ from typing import Any, Callable
 import torch
 
 from remat.core.errors import InvalidInputError
+from remat.core.analysis import forced_need
 from remat.core.graph import Graph
+from remat.core.schedule import Schedule
+from remat.core.simulate import simulate
 
 from .base import PROFILES, Frontend, default_loss, fixed_bytes, prepare, trace_with
 from .capture import CaptureError
@@ -29,13 +33,22 @@ from .profile import FlopsModel
 
 log = logging.getLogger(__name__)
 
-GRANULARITIES = ("module", "op", "joint", "op-stages")
+GRANULARITIES = ("auto", "module", "op", "joint", "op-stages")
 FEW_NODES = 4  # a module graph with fewer forward nodes than this gets a warning naming the finer options
+# granularity "auto" takes the joint graph when it has at most this many nodes (the scalable ILP's
+# reach within a default time limit) and its peak without recomputation is within this factor of
+# the module graph's (at op level a node's outputs are kept and freed together: a batch norm's
+# output lives as long as its saved statistics, which can inflate the peak)
+AUTO_MAX_NODES = 2000
+AUTO_PEAK_SLACK = 1.02
+# ... unless the module graph is too coarse to plan below this fraction of its own peak (its
+# largest node and what must live beside it: `analysis.forced_need`); then the finer graph wins
+AUTO_COARSE = 0.5
 
 
 def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
-          granularity: str = "module", profile: str = "measure", device: "str | torch.device | None" = None,
-          repeats: int | None = None, *, depth: int = 1, warmup: int = 1, example_kwargs: dict | None = None,
+          granularity: str = "auto", profile: str = "measure", device: "str | torch.device | None" = None,
+          repeats: int | None = None, *, depth: "int | str" = "auto", warmup: int = 1, example_kwargs: dict | None = None,
           optimizer: str | None = None, name: str | None = None, flops_model: FlopsModel | None = None,
           capture_with: str = "auto", backward_edges: str = "saved", progress: bool = False,
           grads: str = "accumulated") -> Graph:
@@ -45,7 +58,13 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         (``example_kwargs`` adds keyword arguments to positional ones).
     loss_fn: ``loss_fn(output, *positional_inputs) -> scalar tensor``; default `default_loss`
         (the sum of every floating-point tensor in the output).
-    granularity: ``"module"`` (one node per call of a module at `depth`; see `stages`);
+    granularity: ``"auto"`` (default: the joint graph, as ``"joint"``, where it can be captured,
+        has at most `AUTO_MAX_NODES` nodes and its peak without recomputation is within
+        `AUTO_PEAK_SLACK` of the module graph's or the module graph is too coarse to plan below
+        `AUTO_COARSE` of its peak; else the module graph; ``meta["capture_notes"]``
+        and the log say which and why); ``"module"`` (one node per call of a module at `depth`,
+        ``"auto"`` by default: the shallowest depth whose modules include repeated blocks,
+        looking through wrappers, `segments.auto_depth`; see `segments`);
         ``"op"`` (one node per allocating ATen op of the joint forward+backward graph, backward
         ops and saved tensors explicit: `joint`; when the joint graph cannot be captured, e.g.
         data-dependent control flow, it falls back to ``"op-stages"`` and logs why); ``"joint"``
@@ -81,6 +100,8 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         raise InvalidInputError(f"profile: expected one of {PROFILES}, got {profile!r}")
     options = dict(example_kwargs=example_kwargs, loss_fn=loss_fn, profile=profile, device=device, repeats=repeats,
                    warmup=warmup, optimizer=optimizer, name=name, flops_model=flops_model, grads=grads)
+    if granularity == "auto":
+        return _trace_auto(model, example_inputs, depth, capture_with, backward_edges, progress, options)
     notes = []
     if granularity in ("op", "joint"):
         frontend: Frontend = JointFrontend()
@@ -94,6 +115,12 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
                         "autograd gives it)", note)
             notes.append(note)
             granularity = "op-stages"
+    return _trace_modules(model, example_inputs, granularity, depth, capture_with, backward_edges, progress,
+                          options, notes)
+
+
+def _trace_modules(model: torch.nn.Module, example_inputs: Any, granularity: str, depth: "int | str",
+                   capture_with: str, backward_edges: str, progress: bool, options: dict, notes: list) -> Graph:
     frontend = ModuleFrontend(granularity, depth, capture_with, backward_edges)
     ctx = prepare(frontend, model, example_inputs, progress=progress, **options)
     ctx.notes.extend(notes)
@@ -102,9 +129,48 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
     if granularity == "module" and forward < FEW_NODES:
         # (a wrapper with one child, say: its whole network is one node, which a plan can only keep
         # or recompute whole)
+        d = graph.meta["depth"]
         log.warning("%s traced to %d forward node%s at depth %d: a plan can only keep or recompute each whole; "
                     "for finer plans trace at depth=%d or more (--depth), or granularity='op' (--granularity op)",
-                    ctx.name, forward, "" if forward == 1 else "s", depth, depth + 1)
+                    ctx.name, forward, "" if forward == 1 else "s", d, d + 1)
+    return graph
+
+
+def keep_all_peak(graph: Graph) -> int:
+    """The predicted peak of plain autograd's schedule (`Schedule.keep_all`) on `graph`."""
+    return simulate(graph, Schedule.keep_all(graph)).peak_bytes
+
+
+def _trace_auto(model: torch.nn.Module, example_inputs: Any, depth: "int | str", capture_with: str,
+                backward_edges: str, progress: bool, options: dict) -> Graph:
+    """``granularity="auto"``: trace the module graph, then the joint graph; keep the joint one
+    when it passes the checks in `trace`'s docstring."""
+    module = _trace_modules(model, example_inputs, "module", depth, capture_with, backward_edges, progress,
+                            options, [])
+    try:
+        joint = trace_with(JointFrontend(), prepare(JointFrontend(), model, example_inputs, **options))
+    except CaptureError as e:
+        return _chosen(module, f"granularity auto: module, depth {module.meta['depth']} (the joint graph cannot "
+                               f"be captured: {e})")
+    if joint.n > AUTO_MAX_NODES:
+        return _chosen(module, f"granularity auto: module, depth {module.meta['depth']} (the joint graph has "
+                               f"{joint.n} nodes, more than {AUTO_MAX_NODES})")
+    pj, pm = keep_all_peak(joint), keep_all_peak(module)
+    coarse = forced_need(module) > AUTO_COARSE * pm
+    if pj > pm * AUTO_PEAK_SLACK and not coarse:
+        return _chosen(module, f"granularity auto: module, depth {module.meta['depth']} (the joint graph's peak "
+                               f"without recomputation is {pj / pm - 1:.1%} above the module graph's: at op level "
+                               "an op's outputs are kept and freed together)")
+    return _chosen(joint, f"granularity auto: op, the joint graph ({joint.n} nodes; its peak without "
+                          f"recomputation {pj / pm - 1:+.1%} against the module graph's at depth "
+                          f"{module.meta['depth']}" + (f", whose nodes are too coarse for a plan below "
+                                                       f"{forced_need(module) / pm:.2f}x of it)" if coarse else ")"))
+
+
+def _chosen(graph: Graph, note: str) -> Graph:
+    graph.meta.setdefault("capture_notes", []).append(note)
+    graph.meta["granularity_auto"] = True
+    log.info("%s: %s", graph.meta.get("model", "model"), note)
     return graph
 
 

@@ -309,6 +309,10 @@ def _nonneg_float(text: str) -> float:
     return v
 
 
+def _depth(text: str) -> "int | str":
+    return "auto" if text == "auto" else _positive_int(text)
+
+
 def _positive_float(text: str) -> float:
     v = _nonneg_float(text)
     if v == 0:
@@ -319,12 +323,15 @@ def _positive_float(text: str) -> float:
 def _add_trace_options(p: argparse.ArgumentParser) -> None:
     """How a MODEL is traced (`remat trace`; `remat run` and `remat plan MODEL` trace first)."""
     g = p.add_argument_group("tracing a MODEL")
-    g.add_argument("--granularity", choices=("module", "op", "joint", "op-stages"), default="module",
-                   help="one node per module call (default); op: per allocating ATen op of the joint "
-                   "forward+backward graph, falling back to op-stages when it cannot be captured; joint: the "
-                   "same without fallback; op-stages: per ATen op of the forward, backward nodes from autograd")
-    g.add_argument("--depth", type=_positive_int, default=1,
-                   help="module depth of the nodes (default 1: the top module's children, through containers)")
+    g.add_argument("--granularity", choices=("auto", "module", "op", "joint", "op-stages"), default="auto",
+                   help="auto (default): the joint graph where it captures and describes the step as well as "
+                   "the module graph, else the module graph (the output says which and why); module: one node per "
+                   "module call; op: per allocating ATen op of the joint forward+backward graph, falling back to "
+                   "op-stages when it cannot be captured; joint: the same without fallback; op-stages: per ATen op "
+                   "of the forward, backward nodes from autograd")
+    g.add_argument("--depth", type=_depth, default="auto",
+                   help="module depth of the nodes: a number (1: the top module's children, through containers) "
+                   "or auto (default: the shallowest depth with repeated blocks, through wrappers)")
     g.add_argument("--profile", choices=("measure", "flops"), default="measure",
                    help="measured times (default) or deterministic FLOP-based times")
     g.add_argument("--repeats", type=_positive_int, default=None,

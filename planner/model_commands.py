@@ -111,6 +111,13 @@ def _takes(fn: Any, name: str) -> bool:
     return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
+def print_chosen(graph: Any) -> None:
+    """The line saying which granularity and depth ``auto`` chose, and why."""
+    for note in graph.meta.get("capture_notes") or []:
+        if note.startswith(("granularity auto", "depth auto")):
+            print(f"chosen     {note}")
+
+
 def trace_model(spec: str, *, batch: int | None = None, input_shape: tuple | None = None, full: bool = False,
                 progress: bool = True, **options: Any):
     from remat.frontends.tracing import trace
@@ -155,6 +162,7 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
         graph.meta["model_spec"] = model_spec(args.model, args.batch, shape, args.full)
         print(f"graph      {name}: {graph.n} nodes ({len(graph.forward_ids())} forward), fixed "
               f"{format_bytes(graph.fixed_bytes)}, checkpoint-all peak {format_bytes(baseline_peak(graph))}")
+        print_chosen(graph)
         p = make_plan(graph, args.budget, args.solver, **solver_options)
         if args.output:
             p.save(args.output)
@@ -204,6 +212,7 @@ def run_trace(args: Any) -> int:
     print(f"capture    {m['capture']}, {m['granularity']} granularity"
           + (f" (depth {m['depth']})" if m.get("depth") else "")
           + f": {n_fwd} forward nodes, {graph.n} nodes, {len(graph.edges)} edges")
+    print_chosen(graph)
     grads = (f"gradients {format_bytes(fb['gradients'])}" if m.get("grads") != "accumulated" else
              f"gradients {format_bytes(graph.persistent_total)} allocated in the backward")
     print(f"memory     fixed {format_bytes(graph.fixed_bytes)} (parameters {format_bytes(fb['parameters'])}, {grads}, "
