@@ -92,7 +92,7 @@ def _tight_plan(graph, full):
 def traced(request):
     model, inputs = MODELS[request.param]()
     model.train()
-    graph = remat.trace(model, inputs, profile="flops")
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
     full = remat.plan(graph, "1.0x", solver="ilp", swap=False, time_limit=30)
     half = _plan_at(graph, _activation_budget(graph, full, 0.5), solver="ilp", swap=False)
     tightest = remat.plan(graph, min_feasible_budget(graph, swap=False, time_limit=20)[0], solver="ilp", swap=False,
@@ -178,7 +178,7 @@ def test_eval_and_no_grad_run_the_plain_model(traced):
 
 def test_plan_of_another_model_is_refused():
     model, inputs = _mlp()
-    graph = remat.trace(model, inputs, profile="flops")
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
     plan = remat.plan(graph, "1.0x", solver="ilp", swap=False)
     other = DropoutMLP(layers=4)
     with pytest.raises(InvalidInputError, match="another model"):
@@ -196,7 +196,7 @@ def swap_plans(request):
     (with swap) and TFLMS's, at a bandwidth that makes swaps nearly free."""
     model, inputs = MODELS[request.param]()
     model.train()
-    graph = remat.trace(model, inputs, profile="flops")
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
     full = remat.plan(graph, "1.0x", solver="checkpoint-all")
     budget = _activation_budget(graph, full, 0.4)
     plans = {solver: _plan_at(graph, budget, solver=solver, swap=True, bandwidth=SWAP_BANDWIDTH)
@@ -228,7 +228,7 @@ def test_device_bytes_follow_the_simulator_op_by_op(model_name):
     # after every op of a swap-heavy plan, the live device bytes (storage accounting) are the
     # simulator's: a swapped-out value leaves the device at its `free` and returns at its `swap_in`
     model, inputs = MODELS[model_name]()
-    graph = remat.trace(model, inputs, profile="flops")
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
     full = remat.plan(graph, "1.0x", solver="checkpoint-all")
     plan = _plan_at(graph, _activation_budget(graph, full, 0.2), solver="tflms", bandwidth=SWAP_BANDWIDTH)
     assert sum(o.op == "swap_out" for o in plan.schedule.ops) >= 2
@@ -285,7 +285,7 @@ def test_device_bytes_follow_the_simulator_op_by_op(model_name):
 
 def test_plan_swapping_a_gradient_is_refused():
     model, inputs = _mlp()
-    graph = remat.trace(model, inputs, profile="flops")
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
     plan = remat.plan(graph, "1.0x", solver="ilp", swap=False)
     b = next(v.id for v in graph.nodes if v.kind == "backward" and v.bytes > 0)
     ops = list(plan.schedule.ops)
@@ -298,7 +298,7 @@ def test_plan_swapping_a_gradient_is_refused():
 
 def test_example_inputs_may_come_with_the_first_call():
     model, inputs = _mlp()
-    graph = remat.trace(model, inputs, profile="flops")
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
     plan = remat.plan(graph, "1.0x", solver="ilp", swap=False)
     ref, mine = copy.deepcopy(model), copy.deepcopy(model)
     planned = apply(mine, plan)
@@ -312,7 +312,7 @@ def test_example_inputs_may_come_with_the_first_call():
 
 def test_several_steps_with_an_optimizer_match_plain_training():
     model, inputs = _resnet()
-    graph = remat.trace(model, inputs, profile="flops")
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
     full = remat.plan(graph, "1.0x", solver="ilp", swap=False)
     plan = _tight_plan(graph, full)
     ref, mine = copy.deepcopy(model), copy.deepcopy(model)
@@ -335,7 +335,7 @@ def test_dtr_plans_run_and_train_as_plain_autograd(solver):
     # DTR's plans are bare op lists (evictions and rematerializations in program order): the
     # executor runs them like any other plan (issue 6: "runnable by the executor")
     model, inputs = _mlp()
-    graph = remat.trace(model, inputs, profile="flops")
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
     full = remat.plan(graph, "1.0x", solver="checkpoint-all")
     plan = remat.plan(graph, _activation_budget(graph, full, 0.5), solver=solver)
     assert plan.schedule.stages is None
@@ -350,7 +350,7 @@ def test_dtr_plans_run_and_train_as_plain_autograd(solver):
 def test_plan_of_a_model_with_other_parameters_is_refused():
     # same stages and input shapes, another head: the parameter fingerprint tells them apart
     model, inputs = _mlp()
-    graph = remat.trace(model, inputs, profile="flops")
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
     plan = remat.plan(graph, "1.0x", solver="checkpoint-all")
     other = copy.deepcopy(model)
     other.head = nn.Linear(64, 8)
@@ -433,7 +433,7 @@ def test_cuda_swap_plan_matches_autograd_and_max_memory_allocated(solver):
     dev = torch.device("cuda")
     model = DropoutMLP(width=1024, layers=8).to(dev)
     inputs = (torch.randn(512, 1024, device=dev),)
-    graph = remat.trace(model, inputs, profile="flops")
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
     # the cuBLAS workspaces of the forward's and the backward's threads are fixed bytes too (65 MiB
     # on an H200 with torch 2.11: without them every measured peak was that much above the plan's)
     assert graph.meta["fixed_breakdown"]["runtime"] > 0
@@ -465,7 +465,7 @@ def test_cuda_recompute_plans_match_autograd_and_max_memory_allocated(model_name
     model, inputs = MODELS[model_name]()
     model.to(dev)
     inputs = tuple(x.to(dev) for x in inputs)
-    graph = remat.trace(model, inputs, profile="flops")
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
     full = remat.plan(graph, "1.0x", solver="ilp", swap=False, time_limit=30)
     plan = _tight_plan(graph, full)
     ref, mine, planned, loss_ref, loss = _plain_and_planned(model, inputs, plan)

@@ -72,6 +72,8 @@ class Mixed(nn.Module):
 
 def _trace(model, inputs, **kw):
     kw.setdefault("profile", "flops")
+    kw.setdefault("granularity", "module")
+    kw.setdefault("depth", 1)
     return trace(model, inputs, **kw)
 
 
@@ -245,8 +247,8 @@ def test_measure_profile_positive_and_repeatable():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
     x = torch.randn(64, 256)
-    g1 = trace(model, x, repeats=5)
-    g2 = trace(model, x, repeats=5)
+    g1 = trace(model, x, repeats=5, granularity="module")
+    g2 = trace(model, x, repeats=5, granularity="module")
     assert g1.meta["profiler"] == "measure" and g1.meta["profile_options"]["repeats"] == 5
     for g in (g1, g2):
         assert all(v.time > 0 for v in g.nodes)
@@ -526,11 +528,18 @@ def test_cli_plan_accepts_a_model(tmp_path, capsys):
                    "def mlp():\n    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)), "
                    "(torch.randn(4, 8),)\n")
     code, out, err = run(capsys, "plan", f"{src}:mlp", "--budget", "1x", "--solver", "checkpoint-all",
-                         "--no-progress", "-o", tmp_path / "plan.json")
+                         "--granularity", "module", "--no-progress", "-o", tmp_path / "plan.json")
     assert code == 0, err
     p = remat.load_plan(tmp_path / "plan.json")
     assert p.graph.meta["model"] == "mlp:mlp" and p.graph.meta["profiler"] == "measure"
     assert [p.graph.nodes[i].name for i in p.graph.forward_ids()] == ["0", "1", "2"]
+    # by default the CLI says which granularity it chose and why
+    code, out, err = run(capsys, "trace", f"{src}:mlp", "--profile", "flops", "--no-progress",
+                         "-o", tmp_path / "g.json")
+    assert code == 0, err
+    chosen = [ln for ln in out.splitlines() if ln.startswith("chosen     granularity auto: ")]
+    assert len(chosen) == 1 and remat.Graph.load(tmp_path / "g.json").meta["granularity"] in chosen[0].replace(
+        "op, the joint graph", "joint")
 
 
 def test_import_remat_does_not_import_torch():
@@ -612,10 +621,18 @@ def test_a_model_that_traces_to_a_few_nodes_gets_a_warning_naming_the_finer_opti
 
     x = torch.randn(4, 8)
     with caplog.at_level(logging.WARNING, logger="remat"):
-        g = trace(Wrapper(), (x,), profile="flops")
+        g = trace(Wrapper(), (x,), profile="flops", granularity="module", depth=1)
     assert len(g.forward_ids()) == 1
     assert "traced to 1 forward node at depth 1" in caplog.text and "depth=2" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="remat"):
-        g = trace(Wrapper(), (x,), profile="flops", depth=2)
+        g = trace(Wrapper(), (x,), profile="flops", depth=2, granularity="module")
     assert len(g.forward_ids()) >= 4 and "forward node" not in caplog.text
+    # the defaults look through the wrapper (depth auto: 2) and say what they chose
+    g = trace(Wrapper(), (x,), profile="flops", granularity="module")
+    assert g.meta["depth"] == 2 and "depth auto: 2" in " ".join(g.meta["capture_notes"])
+    g = trace(Wrapper(), (x,), profile="flops")
+    notes = " ".join(g.meta["capture_notes"])
+    assert g.meta["granularity_auto"] and "granularity auto: " in notes
+    assert (g.meta["granularity"] == "joint") == ("granularity auto: op" in notes)
+    assert len(g.forward_ids()) >= 4
