@@ -33,7 +33,7 @@ def main() -> int:
     rows = []
     for name in sorted(MODELS):
         model, inputs = MODELS[name]()
-        graph = remat.trace(model, inputs, profile="flops")
+        graph = remat.trace(model, inputs, profile="flops", granularity="module", depth=1)
         full = remat.plan(graph, "1.0x", solver="ilp", swap=False, time_limit=30)
         act = full.predicted["peak_bytes"] - graph.fixed_bytes
         plans = {

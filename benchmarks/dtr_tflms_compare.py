@@ -62,7 +62,7 @@ def graphs(zoo_names: list[str], synthetic: bool = True) -> list:
             size = ",".join(f"{k}={v}" for k, v in ZOO_SIZES.get(name, {}).items())
             depth = ZOO_DEPTH.get(name, 1)
             out.append((f"{name} ({size}, depth {depth})",
-                        remat.trace(model, inputs, profile="flops", depth=depth,
+                        remat.trace(model, inputs, profile="flops", depth=depth, granularity="module",
                                     grads="resident")))  # (as results.md measured)
     return out
 

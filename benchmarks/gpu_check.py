@@ -173,7 +173,7 @@ def check_model(name: str, args: argparse.Namespace, device: torch.device, write
     # the one trained on is resident while a plan is measured
     example = tuple(x.cpu() for x in example)
     # gradients kept between steps, as `time_steps` and gpu.md measure them
-    graph = remat.trace(model, tuple(x.to(device) for x in example), profile="measure", device=device,
+    graph = remat.trace(model, tuple(x.to(device) for x in example), profile="measure", device=device, granularity="module", depth=1,
                         grads="resident")
     bw = {"h2d": graph.meta.get("bandwidth_h2d"), "d2h": graph.meta.get("bandwidth_d2h")}
     plain_s, plain_peak = time_steps(model, example, device, args.steps)

@@ -62,7 +62,7 @@ def run_case(case: str, steps: int, time_limit: float) -> dict:
     dev = torch.device("cpu")
     plain_s, plain_peak = time_steps(model, example, dev, steps, set_to_none=True)
     ckpt_s, ckpt_peak = time_steps(checkpoint_every_block(model), example, dev, steps, set_to_none=True)
-    graph = remat.trace(model, example, depth=depth, name=case)
+    graph = remat.trace(model, example, depth=depth, name=case, granularity="module")
     row = {"case": case, "nodes": graph.n, "plain_peak": plain_peak, "plain_s": plain_s, "ckpt_peak": ckpt_peak,
            "ckpt_s": ckpt_s}
     plans = {"at_ckpt": remat.plan(graph, ckpt_peak, swap=False, time_limit=time_limit)}
