@@ -27,7 +27,7 @@ notebooks:
 # minute on 2 cores.
 demo:
 	mkdir -p $(DEMO)
-	$(PYTHON) -m remat.cli run gpt2 --batch 16 --input-shape 256 --depth 3 --budget 0.5x --no-swap \
+	$(PYTHON) -m remat.cli run gpt2 --batch 16 --input-shape 256 --granularity module --depth 3 --budget 0.5x --no-swap \
 	  --time-limit 30 --steps 3 --no-progress -o $(DEMO)/plan.json
 	$(PYTHON) -m remat.cli show $(DEMO)/plan.json -o $(DEMO)/plan.png
 	@echo "demo files in $(DEMO)/: plan.json, plan.png"
