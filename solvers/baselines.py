@@ -98,8 +98,7 @@ def checked(graph: Graph, schedule: Schedule, budget_bytes: int | None, name: st
 
 @register("checkpoint-all", "keep every activation (no recomputation): fastest, largest peak")
 def checkpoint_all(graph: Graph, budget_bytes: int | None = None, **_: object) -> Schedule:
-    return checked(graph, schedule_from_checkpoints(graph, graph.forward_ids()), budget_bytes,
-                   "checkpoint-all")[0]
+    return checked(graph, Schedule.keep_all(graph), budget_bytes, "checkpoint-all")[0]
 
 
 @register("checkpoint-last-node", "keep only the previous node's output; recompute every other activation")

@@ -258,3 +258,18 @@ def test_snapshot_sweep_for_long_chains_is_thinned():
     assert counts[:16] == list(range(1, 17)) and counts[-1] == 1000
     assert len(counts) <= griewank.MAX_SWEEP + 2
     assert all(math.isfinite(c) for c in counts) and counts == sorted(set(counts))
+
+
+def test_checkpoint_all_is_plain_autograds_schedule_and_keeping_every_forward_node():
+    # Schedule.keep_all (each value from its compute to its last use) is the checkpoint pipeline
+    # with every forward node a checkpoint, op for op and stage for stage
+    from remat.core.schedule import Schedule
+    graphs = ([linear_chain(n) for n in (1, 2, 7)] + [unet(d) for d in (1, 3)]
+              + [random_layered(n, seed=s) for n in (12, 40) for s in range(3)])
+    for g in graphs:
+        keep = Schedule.keep_all(g)
+        via_checkpoints = baselines.schedule_from_checkpoints(g, g.forward_ids())
+        assert keep.ops == via_checkpoints.ops and keep.stages == via_checkpoints.stages, g.n
+        assert baselines.checkpoint_all(g).ops == keep.ops
+        res = simulate(g, keep)
+        assert res.valid and sum(o.op == "compute" for o in keep.ops) == g.n   # nothing recomputed
