@@ -124,11 +124,13 @@ def capture_joint(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Ca
     snapshot = [(b, b.detach().clone()) for b in model.buffers()]
     frozen: list = []
     untied: list = []
+
+    def export():
+        return aot_export_module(wrapper, args, trace_joint=True, output_loss_index=0, kwargs=kwargs or None)
     try:
         with torch.random.fork_rng(devices=[]), quiet_torch_logs():
             try:
-                gm, sig = aot_export_module(wrapper, args, trace_joint=True, output_loss_index=0,
-                                            kwargs=kwargs or None)
+                gm, sig = export()
             except AssertionError as e:
                 if "did not receive a gradient" not in str(e):
                     raise
@@ -141,8 +143,7 @@ def capture_joint(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Ca
                 frozen = unused_parameters(model, lambda: wrapper(*args, **kwargs)[0])
                 for p in frozen:
                     p.requires_grad_(False)
-                gm, sig = aot_export_module(wrapper, args, trace_joint=True, output_loss_index=0,
-                                            kwargs=kwargs or None)
+                gm, sig = export()
     except InvalidInputError:
         raise
     except Exception as e:  # noqa: BLE001

@@ -71,13 +71,13 @@ class ModuleFrontend(Frontend):
 
     def cut(self, ctx: TraceContext) -> None:
         cap = ctx.state["cap"]
+        depth = ctx.state["depth"] = auto_depth(ctx.model) if self.depth == "auto" else self.depth
         if self.depth == "auto":
-            self.depth = auto_depth(ctx.model)
-            blocks = repeated_blocks(group_modules(ctx.model, self.depth))
-            ctx.notes.append(f"depth auto: {self.depth}" + (f" (repeated blocks {blocks[0]} .. {blocks[-1]})"
-                                                             if blocks else " (no repeated blocks found)"))
-            log.info("%s: module depth %s chosen (%s)", ctx.name, self.depth, ctx.notes[-1])
-        stages = ctx.state["stages"] = cut(cap, ctx.model, self.granularity, self.depth)
+            blocks = repeated_blocks(group_modules(ctx.model, depth))
+            ctx.notes.append(f"depth auto: {depth}" + (f" (repeated blocks {blocks[0]} .. {blocks[-1]})"
+                                                        if blocks else " (no repeated blocks found)"))
+            log.info("%s: module depth %s chosen (%s)", ctx.name, depth, ctx.notes[-1])
+        stages = ctx.state["stages"] = cut(cap, ctx.model, self.granularity, depth)
         log.info("captured %s with %s: %d ops in %d stages", ctx.name, cap.method,
                  sum(len(s.nodes) for s in stages), len(stages))
 
@@ -93,7 +93,7 @@ class ModuleFrontend(Frontend):
                                  backward_edges=self.backward_edges, grads=ctx.grads)
         m = len(stages)
         return nodes, edges, {
-            "depth": self.depth if self.granularity == "module" else None,
+            "depth": ctx.state["depth"] if self.granularity == "module" else None,
             "capture": cap.method,
             "backward_edges": self.backward_edges,
             "capture_notes": list(cap.notes) + list(ctx.notes),

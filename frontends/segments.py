@@ -65,12 +65,14 @@ MAX_AUTO_DEPTH = 8
 
 
 def repeated_blocks(groups: dict[str, str]) -> list[str]:
-    """Paths of the group modules that are repeated blocks: siblings of one parent (a
-    ``ModuleList``'s layers, a ``Sequential``'s stages) with the class of another sibling."""
-    by_parent: dict[tuple[str, str], list[str]] = {}
+    """Paths of the group modules that are repeated blocks, in the model's order: siblings of
+    one parent (a ``ModuleList``'s layers, a ``Sequential``'s stages) with the class of another
+    sibling."""
+    count: dict[tuple[str, str], int] = {}
     for path, typ in groups.items():
-        by_parent.setdefault((path.rpartition(".")[0], typ), []).append(path)
-    return sorted(p for paths in by_parent.values() if len(paths) > 1 for p in paths)
+        key = (path.rpartition(".")[0], typ)
+        count[key] = count.get(key, 0) + 1
+    return [path for path, typ in groups.items() if count[(path.rpartition(".")[0], typ)] > 1]
 
 
 def auto_depth(model: torch.nn.Module, min_groups: int = 4, max_depth: int = MAX_AUTO_DEPTH) -> int:

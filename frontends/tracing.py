@@ -156,7 +156,8 @@ def _trace_auto(model: torch.nn.Module, example_inputs: Any, depth: "int | str",
         return _chosen(module, f"granularity auto: module, depth {module.meta['depth']} (the joint graph has "
                                f"{joint.n} nodes, more than {AUTO_MAX_NODES})")
     pj, pm = keep_all_peak(joint), keep_all_peak(module)
-    coarse = forced_need(module) > AUTO_COARSE * pm
+    floor = forced_need(module) / pm   # the least a module-level plan can need, as a fraction of its peak
+    coarse = floor > AUTO_COARSE
     if pj > pm * AUTO_PEAK_SLACK and not coarse:
         return _chosen(module, f"granularity auto: module, depth {module.meta['depth']} (the joint graph's peak "
                                f"without recomputation is {pj / pm - 1:.1%} above the module graph's: at op level "
@@ -164,7 +165,7 @@ def _trace_auto(model: torch.nn.Module, example_inputs: Any, depth: "int | str",
     return _chosen(joint, f"granularity auto: op, the joint graph ({joint.n} nodes; its peak without "
                           f"recomputation {pj / pm - 1:+.1%} against the module graph's at depth "
                           f"{module.meta['depth']}" + (f", whose nodes are too coarse for a plan below "
-                                                       f"{forced_need(module) / pm:.2f}x of it)" if coarse else ")"))
+                                                       f"{floor:.2f}x of it)" if coarse else ")"))
 
 
 def _chosen(graph: Graph, note: str) -> Graph:
