@@ -49,7 +49,7 @@ MODELS = {
 }
 
 
-class _Checkpointed(nn.Module):
+class Checkpointed(nn.Module):
     """A block run through torch.utils.checkpoint (non-reentrant, RNG state preserved)."""
 
     def __init__(self, block: nn.Module):
@@ -62,7 +62,7 @@ class _Checkpointed(nn.Module):
 
 def checkpoint_blocks(model: nn.Module, graph: remat.Graph) -> nn.Module:
     """A copy of `model` with every block the trace cut at (a stage module with children; else
-    every stage module with parameters) wrapped in `_Checkpointed`."""
+    every stage module with parameters) wrapped in `Checkpointed`."""
     model = copy.deepcopy(model)
     names = [v.extra.get("module") for v in graph.nodes if v.kind == "forward" and v.extra.get("module")]
     mods = dict(model.named_modules())
@@ -72,7 +72,7 @@ def checkpoint_blocks(model: nn.Module, graph: remat.Graph) -> nn.Module:
     for name in blocks:
         parent_name, _, attr = name.rpartition(".")
         parent = mods[parent_name] if parent_name else model
-        setattr(parent, attr, _Checkpointed(getattr(parent, attr)))
+        setattr(parent, attr, Checkpointed(getattr(parent, attr)))
     return model
 
 

@@ -17,13 +17,12 @@ live tensor storages:
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
-from pathlib import Path
 
 import torch
 
 import remat
+from csvout import write_csv
 from remat.budget import format_bytes
 from remat.frontends import trace, zoo
 from remat.frontends import plain_step_peaks
@@ -72,13 +71,7 @@ def main(argv=None) -> int:
               f"real {format_bytes(freed):>11s} {row['error_accumulated']:+6.1%}   resident: predicted "
               f"{format_bytes(predicted['resident']):>11s} real {format_bytes(kept):>11s} {row['error_resident']:+6.1%}",
               flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {out}")
+    write_csv(args.out, COLUMNS, rows)
     worst = max(max(abs(r["error_accumulated"]), abs(r["error_resident"])) for r in rows)
     return 0 if worst <= 0.10 else 1
 

@@ -11,15 +11,14 @@ benchmarks/trace_peaks.py (gradients kept).  Writes one CSV row.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import remat
+from csvout import write_csv
 from remat.budget import format_bytes
 from remat.frontends import default_loss, measure_peak, trace, zoo
 from remat.solvers import get
@@ -71,13 +70,7 @@ def main(argv=None) -> int:
         real = measure_peak(step, resident=resident)
         row.update(real_peak_grads_kept=real, error_kept=predicted / real - 1)
         print(f"peak: predicted {format_bytes(predicted)}, real step {format_bytes(real)} ({predicted / real - 1:+.1%})")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerow(row)
-    print(f"wrote {out}")
+    write_csv(args.out, COLUMNS, [row])
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import sys
 from pathlib import Path
 
@@ -25,7 +24,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import _Checkpointed, time_steps  # noqa: E402  (the same wrapper and loop)
+from csvout import write_csv  # noqa: E402
+from gpu_check import Checkpointed, time_steps  # noqa: E402  (the same wrapper and loop)
 
 import remat  # noqa: E402
 from remat.frontends import zoo  # noqa: E402
@@ -51,7 +51,7 @@ def checkpoint_every_block(model: nn.Module) -> nn.Module:
         if type(mod).__name__ in BLOCKS:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, _Checkpointed(mod))
+            setattr(parent, attr, Checkpointed(mod))
     return model
 
 
@@ -101,13 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = [run_case(c.strip(), args.steps, args.time_limit) for c in args.cases.split(",") if c.strip()]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {out}")
+    write_csv(args.out, COLUMNS, rows)
     return 0
 
 
