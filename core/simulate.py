@@ -315,4 +315,10 @@ def simulate(graph: Graph, schedule: Schedule | list[Op], bandwidth: float | Non
                      compute_counts=counts, timeline=tl)
 
 
-__all__ = ["simulate", "SimResult", "SimState", "Violation", "ORIGINS"]
+def keep_all_peak(graph: Graph) -> int:
+    """Predicted peak bytes (fixed included) of plain autograd's schedule, `Schedule.keep_all`
+    (what a budget of ``1x`` means)."""
+    return simulate(graph, Schedule.keep_all(graph)).peak_bytes
+
+
+__all__ = ["simulate", "keep_all_peak", "SimResult", "SimState", "Violation", "ORIGINS"]

@@ -22,8 +22,7 @@ import torch
 from remat.core.errors import InvalidInputError
 from remat.core.analysis import forced_need
 from remat.core.graph import Graph
-from remat.core.schedule import Schedule
-from remat.core.simulate import simulate
+from remat.core.simulate import keep_all_peak
 
 from .base import PROFILES, Frontend, default_loss, fixed_bytes, prepare, trace_with
 from .capture import CaptureError
@@ -134,11 +133,6 @@ def _trace_modules(model: torch.nn.Module, example_inputs: Any, granularity: str
                     "for finer plans trace at depth=%d or more (--depth), or granularity='op' (--granularity op)",
                     ctx.name, forward, "" if forward == 1 else "s", d, d + 1)
     return graph
-
-
-def keep_all_peak(graph: Graph) -> int:
-    """The predicted peak of plain autograd's schedule (`Schedule.keep_all`) on `graph`."""
-    return simulate(graph, Schedule.keep_all(graph)).peak_bytes
 
 
 def _trace_auto(model: torch.nn.Module, example_inputs: Any, depth: "int | str", capture_with: str,

@@ -42,9 +42,8 @@ _SIZE_RE = re.compile(rf"^{_NUMBER}\s*([a-z]*)$", re.IGNORECASE)
 
 def baseline_peak(graph: "Graph") -> int:
     """Simulated peak bytes (fixed included) of the checkpoint-all schedule: what ``1x`` means."""
-    from remat.solvers.baselines import checkpoint_all  # no pulp: baselines is plain Python
-    from remat.core.simulate import simulate
-    return simulate(graph, checkpoint_all(graph)).peak_bytes
+    from remat.core.simulate import keep_all_peak
+    return keep_all_peak(graph)
 
 
 def _floor(x: Decimal) -> int:

@@ -89,13 +89,14 @@ def _budgets(graph):
     infeasibility message names, or (when the scalable ILP can neither plan nor refute the
     lower bound in its time limit) the least of a short bisection above that bound."""
     plain = remat.plan(graph, "1.0x", solver="checkpoint-all").predicted["peak_bytes"]
-    low, high = forced_need(graph), int(0.5 * plain)
+    budgets = {"0.7x": int(0.7 * plain), "0.5x": int(0.5 * plain)}
+    low, high = forced_need(graph), budgets["0.5x"]
     try:
         remat.plan(graph, low, swap=False, time_limit=20)
-        return {"0.7x": int(0.7 * plain), "0.5x": high, "tightest": low}
+        return {**budgets, "tightest": low}
     except InfeasibleBudgetError as e:
         if e.min_feasible_bytes is not None:
-            return {"0.7x": int(0.7 * plain), "0.5x": high, "tightest": e.min_feasible_bytes}
+            return {**budgets, "tightest": e.min_feasible_bytes}
     except SolverError:
         pass
     for _ in range(3):
@@ -104,7 +105,7 @@ def _budgets(graph):
             high = remat.plan(graph, mid, swap=False, time_limit=10).predicted["peak_bytes"]
         except (InfeasibleBudgetError, SolverError):
             low = mid
-    return {"0.7x": int(0.7 * plain), "0.5x": int(0.5 * plain), "tightest": high}
+    return {**budgets, "tightest": high}
 
 
 def test_auto_depth_looks_through_the_wrappers_to_the_repeated_blocks():
@@ -114,7 +115,7 @@ def test_auto_depth_looks_through_the_wrappers_to_the_repeated_blocks():
         model, _ = _case(name)
         assert len(group_modules(model, 1)) < 4, name    # depth 1: the wrapper and the head
         d = auto_depth(model)
-        assert d > 1, name                      # depth 1 is the wrapper and the head
+        assert d > 1, name
         assert set(blocks) <= set(repeated_blocks(group_modules(model, d))), name
 
 
