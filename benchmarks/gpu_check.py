@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 import remat
 from remat.core.errors import InfeasibleBudgetError, RematError
 from remat.frontends import default_loss, zoo
+from remat.frontends.checkpointing import Checkpointed
 from remat.frontends.measuring import untracked_blocks
 from remat.frontends.run import random_batch, run_plan
 
@@ -47,17 +47,6 @@ MODELS = {
     "gpt2": {"n_layer": 4},
     "unet": {"image_size": 64},
 }
-
-
-class Checkpointed(nn.Module):
-    """A block run through torch.utils.checkpoint (non-reentrant, RNG state preserved)."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args, **kwargs):
-        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
 
 
 def checkpoint_blocks(model: nn.Module, graph: remat.Graph) -> nn.Module:

@@ -21,14 +21,14 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from csvout import write_csv  # noqa: E402
-from gpu_check import Checkpointed, time_steps  # noqa: E402  (the same wrapper and loop)
+from gpu_check import time_steps  # noqa: E402  (the same loop)
 
 import remat  # noqa: E402
 from remat.frontends import zoo  # noqa: E402
+from remat.frontends.checkpointing import checkpoint_every_block  # noqa: E402
 from remat.frontends.run import run_plan  # noqa: E402
 from remat.core.analysis import forced_need  # noqa: E402
 from remat.core.errors import InfeasibleBudgetError  # noqa: E402
@@ -38,21 +38,9 @@ CASES = {
     "gpt2": ("gpt2", {"batch": 16, "seq_len": 256, "n_layer": 4}, 3),
     "resnet50": ("resnet50", {"batch": 8, "image_size": 64}, 2),
 }
-BLOCKS = ("Block", "BasicBlock", "Bottleneck")
 COLUMNS = ("case", "nodes", "plain_peak", "plain_s", "ckpt_peak", "ckpt_s", "at_ckpt_peak", "at_ckpt_s",
            "at_ckpt_predicted_peak", "at_ckpt_predicted_overhead", "tightest_peak", "tightest_s",
            "tightest_predicted_peak", "tightest_over_ckpt_peak", "at_ckpt_over_ckpt_time")
-
-
-def checkpoint_every_block(model: nn.Module) -> nn.Module:
-    """A copy of `model` with every residual block wrapped in `torch.utils.checkpoint`."""
-    model = copy.deepcopy(model)
-    for name, mod in list(model.named_modules()):
-        if type(mod).__name__ in BLOCKS:
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, Checkpointed(mod))
-    return model
 
 
 def run_case(case: str, steps: int, time_limit: float) -> dict:

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["get", "names", "CONFIGS"]
+__all__ = ["get", "names", "CONFIGS", "SEQUENCE_MODELS"]
 
 
 # ---- ResNet (torchvision layout) ----------------------------------------------------------
@@ -386,6 +386,9 @@ def _shape_settings(name: str, shape: tuple) -> dict:
     if len(shape) != 3 or shape[0] != 3 or shape[1] != shape[2] or shape[1] < 1:
         raise ValueError(f"{name}: input shape is (3, H, W) with H = W, got {shape}")
     return {"image_size": shape[1]}
+
+
+SEQUENCE_MODELS = ("gpt2",)  # the zoo models whose input shape is a sequence length
 
 
 def names() -> list[str]:

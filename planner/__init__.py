@@ -3,7 +3,7 @@
 ``remat.trace(model, inputs)`` -> a `Graph`; ``remat.plan(graph, "0.5x")`` -> a `Plan` (a
 schedule that fits the budget, its predicted peak and time, the solver's bound and gap);
 ``remat.apply(model, plan)`` -> the model that trains as the plan says; ``remat.measure`` ->
-what a step really used.  The layers (docs/design.md): `remat.core` (graph, schedule,
+what a step really used; ``remat.capacity(make, "24GiB")`` -> the largest batch that fits.  The layers (docs/design.md): `remat.core` (graph, schedule,
 simulator, plan record; no torch), `remat.solvers`, `remat.frontends` (torch), and this
 package's top: budgets, planning, pictures, the command line.
 """
@@ -21,7 +21,8 @@ from .planning import SWEEP_COLUMNS, plan, sweep
 __version__ = "0.1.0"
 __all__ = ["Graph", "Node", "Schedule", "Stage", "Op", "simulate", "SimResult",
            "plan", "Plan", "load_plan", "sweep", "SWEEP_COLUMNS", "parse_budget", "format_bytes",
-           "RematError", "InvalidInputError", "InfeasibleBudgetError", "SolverError", "trace", "apply", "measure"]
+           "RematError", "InvalidInputError", "InfeasibleBudgetError", "SolverError", "trace", "apply", "measure",
+           "capacity"]
 
 # the module paths of the layout before docs/design.md's, kept importable (with a warning)
 MOVED_MODULES = {
@@ -37,7 +38,7 @@ register_moved(MOVED_MODULES)
 # `remat.trace`, `remat.apply` and `remat.measure` live in remat.frontends, which imports torch:
 # loaded on first use only, so `import remat` stays torch-free
 _LAZY = {"trace": ("remat.frontends.tracing", "trace"), "apply": ("remat.frontends.applying", "apply"),
-         "measure": ("remat.frontends.measuring", "measure")}
+         "measure": ("remat.frontends.measuring", "measure"), "capacity": ("remat.frontends.capacity", "capacity")}
 
 
 def __getattr__(name: str):

@@ -267,6 +267,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_run(args, solver_options(args), trace_options(args))
 
 
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from .budget import is_relative, parse_budget
+    if is_relative(args.memory):
+        raise InvalidInputError(f"--memory: give a size such as 24GiB, not a ratio ({args.memory!r})")
+    try:
+        args.memory_bytes = parse_budget(args.memory)
+    except InvalidInputError as e:
+        raise InvalidInputError(str(e).replace("--budget:", "--memory:", 1)) from None
+    if args.seq and args.input_shape:
+        raise InvalidInputError("--seq: the sequence length is what capacity varies; drop --input-shape")
+    _write(args.output, lambda p: None)
+    from .model_commands import run_capacity  # imports torch
+    return run_capacity(args, solver_options(args), trace_options(args))
+
+
 def _graph_or_model(text: str, progress: bool = True, options: dict | None = None):
     """A GRAPH.json, or a MODEL (zoo name, FILE.py:FACTORY, package.module:FACTORY) traced first
     with `options` (those of `remat trace`)."""
@@ -430,6 +445,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="with --budget: write the plan")
     _add_trace_options(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("capacity", help="the largest batch (or sequence length) that fits a memory",
+                       description="Trace MODEL at a few sizes, scale its graph to any size and find the largest "
+                       "batch (--seq: sequence length) whose plan fits --memory, for no recomputation, <= 1.1x and "
+                       "<= --max-overhead of the step time without recomputation; print a line per size probed, "
+                       "the answers, plain autograd's and checkpoint-every-block's beside them, and write the plan "
+                       "for the largest size.",
+                       epilog="An answer is proven when the size above it is refuted (a bound, a proof of "
+                       "infeasibility, or an optimal plan over the level); else it says 'at least'.")
+    p.add_argument("model", metavar="MODEL", help="zoo name, FILE.py:FACTORY or package.module:FACTORY (a factory "
+                   "with a batch parameter; with --seq, a seq_len parameter)")
+    p.add_argument("--memory", required=True, help="device memory for the whole step, e.g. 24GiB, 512MB")
+    p.add_argument("--max-overhead", type=_positive_float, default=1.3, metavar="X",
+                   help="the largest step time over the time without recomputation to accept (default 1.3)")
+    p.add_argument("--seq", action="store_true", help="vary the sequence length instead of the batch")
+    p.add_argument("--sizes", default=None, metavar="S1,S2[,S3]", help="sizes to trace at (default: the model's "
+                   "own and twice it; with --seq three lengths, for costs quadratic in the length)")
+    p.add_argument("--max-size", type=_positive_int, default=None, help="stop the search at this size")
+    p.add_argument("--verify", action="store_true", help="trace the answer at its size, plan it and run one step: "
+                   "its measured peak must be within --memory (exit 1 if not)")
+    p.add_argument("--no-peers", action="store_true", help="skip measuring plain autograd and checkpoint-every-block")
+    p.add_argument("--solver", default="ilp", help="solver per probe (default ilp)")
+    _add_solver_options(p, 20.0)
+    p.add_argument("--batch", type=_positive_int, default=None, help="with --seq: the batch size (default: the model's)")
+    p.add_argument("--input-shape", default=None, help="one example's shape without the batch, e.g. 3,224,224")
+    p.add_argument("--full", action="store_true", help="zoo models at their published size")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: where the model is, the CPU)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while tracing")
+    p.add_argument("-o", "--output", default="capacity-plan.json", metavar="PLAN.json",
+                   help="where to write the plan for the largest size (default capacity-plan.json)")
+    _add_trace_options(p)
+    p.set_defaults(func=cmd_capacity)
 
     p = sub.add_parser("simulate", help="re-simulate a plan: peak, time, breakdown, fit",
                        description="Replay a plan's schedule in the simulator and report peak memory, time "

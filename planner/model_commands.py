@@ -40,10 +40,19 @@ def parse_shape(text: str | None) -> tuple[int, ...] | None:
 
 
 def load_model(spec: str, *, batch: int | None = None, input_shape: tuple | None = None,
-               full: bool = False) -> tuple[Any, tuple, str]:
-    """(model, example_inputs, name) for a MODEL spec (see the module docstring)."""
+               full: bool = False, seq_len: int | None = None) -> tuple[Any, tuple, str]:
+    """(model, example_inputs, name) for a MODEL spec (see the module docstring); `seq_len`
+    (``remat capacity --seq``): a zoo model's sequence length, or a factory's ``seq_len``
+    parameter."""
     from remat.frontends import zoo
     forms = FORMS.format(zoo=", ".join(zoo.names()))
+    if seq_len is not None and spec in zoo.names():
+        if input_shape is not None:
+            raise InvalidInputError("--seq: the sequence length is what capacity varies; drop --input-shape")
+        if spec not in zoo.SEQUENCE_MODELS:
+            raise InvalidInputError(f"--seq: the zoo model {spec!r} has no sequence length (zoo sequence models: "
+                                    f"{', '.join(zoo.SEQUENCE_MODELS)}); leave --seq out to vary the batch")
+        input_shape = (seq_len,)
     if spec in zoo.names():
         try:
             model, inputs = zoo.get(spec, full=full, batch=batch, input_shape=input_shape)
@@ -80,6 +89,11 @@ def load_model(spec: str, *, batch: int | None = None, input_shape: tuple | None
     kwargs = {}
     if batch is not None and _takes(factory, "batch"):
         kwargs["batch"] = batch
+    if seq_len is not None:
+        if not _takes(factory, "seq_len"):
+            raise InvalidInputError(f"--seq: {where}:{attr} takes no seq_len parameter, so its sequence length "
+                                    "cannot change; give the factory a seq_len parameter")
+        kwargs["seq_len"] = seq_len
     try:
         made = factory(**kwargs)
     except Exception as e:  # noqa: BLE001
@@ -127,9 +141,12 @@ def trace_model(spec: str, *, batch: int | None = None, input_shape: tuple | Non
     return graph
 
 
-def model_spec(spec: str, batch: int | None, input_shape: tuple | None, full: bool) -> dict:
+def model_spec(spec: str, batch: int | None, input_shape: tuple | None, full: bool, seq_len: int | None = None) -> dict:
     """How to build the model again from a graph's meta (`remat run --plan` without MODEL)."""
-    return {"model": spec, "batch": batch, "input_shape": list(input_shape) if input_shape else None, "full": full}
+    out = {"model": spec, "batch": batch, "input_shape": list(input_shape) if input_shape else None, "full": full}
+    if seq_len is not None:
+        out["seq_len"] = seq_len
+    return out
 
 
 def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) -> int:
@@ -152,7 +169,8 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
         model, inputs, name = load_model(which, batch=args.batch if args.batch is not None else spec.get("batch"),
                                          input_shape=shape or (tuple(spec["input_shape"]) if spec.get("input_shape")
                                                                else None),
-                                         full=args.full or bool(spec.get("full")))
+                                         full=args.full or bool(spec.get("full")),
+                                         seq_len=None if shape else spec.get("seq_len"))
     else:
         if args.model is None:
             raise InvalidInputError("remat run: give MODEL with --budget, or --plan PLAN.json")
@@ -231,4 +249,95 @@ def run_trace(args: Any) -> int:
     return 0
 
 
-__all__ = ["load_model", "trace_model", "run_trace", "run_run", "parse_shape"]
+def run_capacity(args: Any, solver_options: dict, trace_options: dict) -> int:
+    """``remat capacity``: the largest batch (``--seq``: sequence length) whose planned step fits
+    ``--memory``, per overhead level; a line per size probed as it is decided, the answers,
+    plain autograd's and checkpoint-every-block's beside them, and the plan for the largest."""
+    from remat.core.units import format_bytes
+    from remat.frontends.capacity import capacity
+    from remat.sizes import MAX_SIZE
+    shape = parse_shape(args.input_shape)
+    dim = "seq" if args.seq else "batch"
+    sizes = parse_sizes(args.sizes)
+    if sizes is None:  # the model's own size and twice it (a sequence: three lengths)
+        _, inputs, _ = load_model(args.model, batch=args.batch, input_shape=shape, full=args.full)
+        from remat.frontends.capacity import DEFAULT_SIZES, example_size
+        own = example_size(inputs, dim) or DEFAULT_SIZES[dim][0]
+        own = max(own, 2)
+        sizes = [own * k for k in range(1, len(DEFAULT_SIZES[dim]) + 1)]
+
+    def make(size: int):
+        if dim == "batch":
+            model, inputs, _ = load_model(args.model, batch=size, input_shape=shape, full=args.full)
+        else:
+            model, inputs, _ = load_model(args.model, batch=args.batch, full=args.full, seq_len=size)
+        return model, inputs
+
+    print(f"capacity   {args.model}: largest {dim} within {format_bytes(args.memory_bytes)}, overhead levels "
+          f"1.00x, 1.10x, {args.max_overhead:.2f}x; tracing at {dim} {', '.join(map(str, sizes))}")
+    print(f"{'probe':<10} {dim:>7}  {'keep-all peak':>13}  {'plan peak':>11}  {'overhead':>8}  status")
+
+    def show(p) -> None:
+        print(f"{'':<10} {p.size:>7}  {format_bytes(p.keep_all_bytes):>13}  "
+              f"{format_bytes(p.peak_bytes) if p.peak_bytes is not None else '-':>11}  "
+              f"{f'{p.overhead:.3f}x' if p.overhead is not None else '-':>8}  {p.status}", flush=True)
+    swap = solver_options.get("swap")
+    rep = capacity(make, args.memory_bytes, dim=dim, sizes=sizes, max_overhead=args.max_overhead, swap=swap,
+                   solver=args.solver, time_limit=solver_options["time_limit"], gap=solver_options["gap"],
+                   verify=args.verify, peers=not args.no_peers, max_size=args.max_size or MAX_SIZE,
+                   device=args.device, on_probe=show, progress=not args.no_progress, **trace_options)
+    fam, res = rep.family, rep.result
+    g = fam.graphs[fam.sizes[0]]
+    print(f"graph      {g.meta.get('granularity')} granularity, {g.n} nodes; costs {'linear' if fam.degree == 1 else 'quadratic'} "
+          f"in the {dim} through {dim} {', '.join(map(str, fam.sizes))}")
+    names = {1.0: "no recomputation"}
+    for a in res.levels:
+        label = names.get(a.level, f"<= {a.level:.2f}x")
+        print(f"answer     {label:<17} {dim} {a.describe(dim)}")
+    print(f"predicted  plain autograd (keep everything): {dim} {res.plain_size}")
+    for peer in rep.peers:
+        if peer.size is None:
+            print(f"peer       {peer.name}: n/a ({peer.reason})")
+            continue
+        at = ", ".join(f"{format_bytes(b)} at {s}" for s, b in peer.peaks.items())
+        plain = rep.peers[0]
+        top = max(peer.times)
+        ratio = (f", {peer.times[top] / plain.times[top]:.2f}x plain's step time at {dim} {top}"
+                 if peer is not plain and plain.times.get(top) else "")
+        print(f"peer       {peer.name}: {dim} {peer.size} (measured peaks {at}, extrapolated{ratio})")
+    v = rep.verification
+    if v is not None:
+        if v.plan is None:
+            print(f"verify     {dim} {v.size}: {v.reason}")
+        else:
+            pr = v.plan.predicted
+            print(f"verify     {dim} {v.size}: traced and planned ({v.plan.solver.get('status')}, predicted "
+                  f"{format_bytes(pr['peak_bytes'])} at {pr['overhead']:.3f}x); one step measured "
+                  f"{format_bytes(v.measured_bytes)} {'<=' if v.fits else '>'} {format_bytes(v.memory)}")
+    plan = rep.plan()
+    if plan is None:
+        print(f"no         {dim} fits {format_bytes(args.memory_bytes)}")
+        return 1
+    size = rep.verification.size if rep.verification is not None and rep.verification.plan is not None \
+        else res.best().size
+    plan.graph.meta["model_spec"] = model_spec(args.model, size if dim == "batch" else args.batch, shape, args.full,
+                                               seq_len=size if dim == "seq" else None)
+    plan.save(args.output)
+    print(f"wrote      {args.output} ({dim} {size})")
+    return 0 if v is None or v.fits else 1
+
+
+def parse_sizes(text: str | None) -> list[int] | None:
+    """``"2,4"`` -> [2, 4] (``--sizes``)."""
+    if text is None:
+        return None
+    try:
+        sizes = sorted({int(p) for p in text.split(",") if p.strip()})
+    except ValueError:
+        raise InvalidInputError(f"--sizes: expected whole numbers like 2,4, got {text!r}") from None
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise InvalidInputError(f"--sizes: give two or more different sizes >= 1, like 2,4; got {text!r}")
+    return sizes
+
+
+__all__ = ["load_model", "trace_model", "run_trace", "run_run", "run_capacity", "parse_shape", "parse_sizes"]

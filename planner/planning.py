@@ -30,21 +30,23 @@ MIN_BUDGET_TIME_LIMIT = 10.0
 
 
 def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", *, swap: bool | None = None,
-         time_limit: float = 60.0, gap: float = 0.0, **options: Any) -> Plan:
+         time_limit: float = 60.0, gap: float = 0.0, explain: bool = True, **options: Any) -> Plan:
     """Plan `graph` (a Graph or a path to a graph.json) to fit `budget` with the named solver.
 
     `budget` is anything `parse_budget` reads (``"6GiB"``, ``"0.5x"``, bytes).  ``swap``
     (None: `default_swap`), ``time_limit`` (seconds), ``gap`` (relative) and the other
     ``options`` (``threads``, ``backend``, ``warm_start``...) go to the solver; strategies that do
     not use an option ignore it.  Raises `InfeasibleBudgetError` naming the smallest feasible
-    budget found when no schedule fits, `InvalidInputError` for a bad budget or solver name.
+    budget found when no schedule fits (``explain=False``: the solver's own error, without the
+    search for that budget; for callers that probe many budgets), `InvalidInputError` for a bad
+    budget or solver name.
     """
     if not isinstance(graph, Graph):
         graph = Graph.load(graph)
     graph = _with_bandwidth(graph, options)
     swap = default_swap(graph, solver) if swap is None else swap
     budget_bytes = parse_budget(budget, graph)
-    schedule, res, wall = _solve(graph, budget_bytes, solver, swap=swap, time_limit=time_limit, gap=gap,
+    schedule, res, wall = _solve(graph, budget_bytes, solver, explain, swap=swap, time_limit=time_limit, gap=gap,
                                  **options)
     report = _solver_block(schedule.report, solver, wall,
                            {"swap": swap, "time_limit": time_limit, "gap": gap, **options})

@@ -1,0 +1,225 @@
+"""``remat.capacity(make, memory)``: the largest batch (or sequence length) whose training step fits.
+
+`make(size)` builds the model and an example batch at a size (``(model, example_inputs)``).  The
+model is traced at a few `sizes` (the first with the caller's trace options, the rest with the
+granularity and depth the first one chose, so every size traces to the same graph); the graphs
+make a `remat.sizes.GraphFamily` and `remat.sizes.search` finds, per overhead level, the
+largest size whose plan fits `memory` (its module docstring says how and when an answer is
+proven).  Beside it, what a user would get without remat, measured on the device at the traced
+sizes and extrapolated with the same polynomial: plain autograd, and ``torch.utils.checkpoint``
+on every block (`checkpointing.checkpoint_every_block`).  With ``verify=True`` the answer is
+traced at its size, planned within `memory` and one planned step is run: its measured peak must
+be within the memory.  On the CPU the peaks are the exact storage accounting of
+`remat.measure`; on CUDA ``max_memory_allocated``.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from remat.sizes import (MAX_SIZE, CapacityResult, GraphFamily, Probe, fit_polynomial, largest, levels_for,
+                         polynomial_value, search)
+from remat.core.errors import InvalidInputError
+from remat.core.graph import Graph
+from remat.core.plan import Plan
+
+from .base import default_loss, split_inputs
+from .checkpointing import block_names, checkpoint_every_block
+from .measuring import measure
+from .run import run_plan
+from .tracing import trace
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIZES = {"batch": (2, 4), "seq": (16, 32, 48)}
+
+
+@dataclass
+class PeerAnswer:
+    """A way to train without remat: its measured peak bytes and step times at the traced sizes,
+    and the largest size whose extrapolated peak fits (None: it does not apply, `reason` says
+    why)."""
+    name: str
+    size: int | None
+    peaks: dict[int, int] = field(default_factory=dict)
+    times: dict[int, float] = field(default_factory=dict)  # median measured step seconds
+    reason: str = ""
+
+
+@dataclass
+class Verification:
+    """One planned step at the answer's size: the plan of the graph traced there, its predicted
+    and measured peak (None when no plan fits that graph: `reason`)."""
+    size: int
+    plan: Plan | None
+    measured_bytes: int | None
+    memory: int
+    reason: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.measured_bytes is not None and self.measured_bytes <= self.memory
+
+
+@dataclass
+class CapacityReport:
+    result: CapacityResult
+    family: GraphFamily
+    peers: list[PeerAnswer]
+    verification: Verification | None = None
+
+    def plan(self) -> Plan | None:
+        """The plan to keep: the verified one (traced at its size) when there is one, else the
+        search's plan at the largest size within the largest overhead level."""
+        if self.verification is not None and self.verification.plan is not None:
+            return self.verification.plan
+        return self.result.plan()
+
+
+def example_size(inputs: Any, dim: str) -> int | None:
+    """The batch (dim 0) or sequence length (dim 1) of the first tensor of an example."""
+    axis = 0 if dim == "batch" else 1
+    for x in tree_flatten(inputs)[0]:
+        if isinstance(x, torch.Tensor) and x.dim() > axis:
+            return int(x.shape[axis])
+    return None
+
+
+def _built(make: Callable[[int], Any], size: int, dim: str) -> tuple[torch.nn.Module, Any]:
+    made = make(size)
+    if not (isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+        raise InvalidInputError(f"capacity: make({size}) must return (model, example_inputs), got {type(made).__name__}")
+    got = example_size(made[1], dim)
+    if got != size:
+        what = "batch (first dimension)" if dim == "batch" else "sequence length (second dimension)"
+        raise InvalidInputError(f"capacity: the example inputs of make({size}) have {what} {got}, not {size}: "
+                                f"the model's inputs must change with the {dim} asked for")
+    return made[0], made[1]
+
+
+def _pinned(graph: Graph, options: dict) -> dict:
+    """Trace options that rebuild `graph`'s granularity and depth at another size."""
+    out = dict(options)
+    gran = graph.meta.get("granularity")
+    if gran in ("module", "op-stages"):
+        out["granularity"] = gran
+        if graph.meta.get("depth"):
+            out["depth"] = graph.meta["depth"]
+    elif gran == "joint":
+        out["granularity"] = "joint"
+    return out
+
+
+def _step(model: torch.nn.Module, inputs: Any, loss_fn: Callable, device: torch.device, to_none: bool,
+          steps: int = 3) -> tuple[int, float]:
+    """(peak bytes, median seconds) of `steps` measured training steps (gradients zeroed as the
+    graph expects) after one warm-up step."""
+    args, kwargs = split_inputs(inputs, None)
+    model.to(device).train()
+    args = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in args)
+    peak, times = 0, []
+    for k in range(steps + 1):
+        for p in model.parameters():
+            p.grad = None if to_none else torch.zeros_like(p)
+        resident = (list(model.parameters()) + list(model.buffers()) + tree_flatten((args, kwargs))[0]
+                    + [p.grad for p in model.parameters() if p.grad is not None])
+        m = measure(lambda: loss_fn(model(*args, **kwargs), *args).backward(), device, resident=resident)
+        if k:
+            peak, times = max(peak, m.peak_bytes), times + [m.time]
+    return peak, statistics.median(times)
+
+
+def _peers(make: Callable, sizes: Sequence[int], dim: str, family: GraphFamily, memory: int, loss_fn: Callable,
+           device: torch.device, to_none: bool, max_size: int) -> list[PeerAnswer]:
+    extra = int(family.graphs[sizes[0]].meta.get("fixed_breakdown", {}).get("optimizer", 0))  # declared state
+    out = []
+    for name in ("plain autograd", "checkpoint every block"):
+        peer = PeerAnswer(name, None)
+        for s in sizes:
+            model, inputs = _built(make, s, dim)
+            if name != "plain autograd":
+                if not block_names(model):
+                    peer.reason = "no repeated blocks to checkpoint"
+                    break
+                model = checkpoint_every_block(model)
+            peak, seconds = _step(model, inputs, loss_fn, device, to_none)
+            peer.peaks[s], peer.times[s] = peak + extra, seconds
+        if not peer.reason:
+            coef = fit_polynomial(list(peer.peaks), list(peer.peaks.values()), family.degree)
+            peer.size, _ = largest(lambda s: polynomial_value(coef, s) <= memory,
+                                   max(sizes), max_size)
+        out.append(peer)
+    return out
+
+
+def capacity(make: Callable[[int], Any], memory: "str | int", *, dim: str = "batch",
+             sizes: Sequence[int] | None = None, max_overhead: float = 1.3, swap: bool | None = None,
+             solver: str = "ilp", time_limit: float = 30.0, gap: float = 0.0, verify: bool = False,
+             peers: bool = True, max_size: int = MAX_SIZE, device: "str | torch.device | None" = None,
+             loss_fn: Callable | None = None, on_probe: Callable[[Probe], None] | None = None,
+             progress: bool = False, **trace_options: Any) -> CapacityReport:
+    """The largest `dim` ("batch" or "seq") per overhead level (no recomputation, <= 1.1x, <=
+    `max_overhead`) whose step fits `memory` (bytes, or a size such as ``"24GiB"``); see the
+    module docstring.  `sizes`: where to trace (default ``DEFAULT_SIZES[dim]``); `trace_options`
+    go to `remat.trace` (granularity, depth, grads, optimizer...); `swap` (default: not on a
+    CPU), `solver`, `time_limit` (per probe) and `gap` to the planner; `on_probe(probe)` is called
+    as each size is decided.  Raises `InvalidInputError` for a memory below what size 1 holds
+    before any activation, a model whose inputs do not change with the size, or sizes that trace
+    to different graphs."""
+    from remat.budget import is_relative, parse_budget
+    from remat.planning import default_swap
+    if is_relative(memory):
+        raise InvalidInputError(f"--memory: give a size such as 24GiB, not a ratio ({memory!r})")
+    memory = parse_budget(memory)
+    levels = levels_for(max_overhead)
+    sizes = sorted({int(s) for s in (sizes or DEFAULT_SIZES.get(dim, ()))})
+    if dim not in DEFAULT_SIZES:
+        raise InvalidInputError(f"dim: expected one of {tuple(DEFAULT_SIZES)}, got {dim!r}")
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise InvalidInputError(f"--sizes: give two or more sizes >= 1 to trace at, got {list(sizes)}")
+    loss_fn = loss_fn or default_loss
+    graphs: dict[int, Graph] = {}
+    options = dict(trace_options)
+    for s in sizes:
+        model, inputs = _built(make, s, dim)
+        g = trace(model, inputs, loss_fn, device=device, progress=progress, **options)
+        graphs[s] = g
+        options = _pinned(g, trace_options)
+    family = GraphFamily(graphs, dim)
+    first = graphs[sizes[0]]
+    swap = default_swap(first, solver) if swap is None else bool(swap)
+    result = search(family, memory, levels, swap=swap, solver=solver, max_size=max_size, on_probe=on_probe,
+                    time_limit=time_limit, gap=gap)
+    dev = torch.device(device) if device is not None else torch.device(first.meta.get("device", "cpu"))
+    to_none = first.meta.get("grads") == "accumulated"
+    report = CapacityReport(result, family,
+                            _peers(make, sizes, dim, family, memory, loss_fn, dev, to_none, max_size) if peers else [])
+    best = result.best()
+    if verify and best.size:
+        report.verification = verify_size(make, best.size, dim, memory, options, loss_fn, dev, swap=swap,
+                                          solver=solver, time_limit=time_limit, gap=gap)
+    return report
+
+
+def verify_size(make: Callable, size: int, dim: str, memory: int, trace_options: dict, loss_fn: Callable,
+                device: torch.device, **plan_options: Any) -> Verification:
+    """Trace at `size`, plan within `memory`, run one planned step and measure its peak."""
+    from remat.core.errors import InfeasibleBudgetError
+    from remat.planning import plan as make_plan
+    model, inputs = _built(make, size, dim)
+    graph = trace(model, inputs, loss_fn, device=device, **trace_options)
+    try:
+        p = make_plan(graph, memory, plan_options.pop("solver", "ilp"), **plan_options)
+    except InfeasibleBudgetError as e:
+        return Verification(size, None, None, memory, f"the graph traced at {dim} {size} has no plan within the "
+                            f"memory: {e}")
+    rep = run_plan(model, inputs, p, steps=1, device=device, loss_fn=loss_fn, plain=False)
+    return Verification(size, p, rep.peak_bytes, memory)
+
+
+__all__ = ["capacity", "verify_size", "example_size", "CapacityReport", "PeerAnswer", "Verification", "DEFAULT_SIZES"]
