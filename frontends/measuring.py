@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker", "measure_peak", "measure", "Measurement", "storage_key", "storage_bytes", "unique_bytes",
+__all__ = ["StorageTracker", "measure_peak", "allocator_peak", "METERS", "measure", "Measurement", "storage_key", "storage_bytes", "unique_bytes",
            "block_bytes", "AllocatorWindow", "LibraryWorkspaces", "untracked_device_bytes",
            "untracked_blocks", "unowned_bytes", "on_autograd_thread"]
 
@@ -318,8 +318,39 @@ class Measurement:
     device: str
 
 
+def allocator_peak(step_fn: Callable[[], Any], resident: Iterable[Any] = ()) -> int:
+    """Peak CPU bytes of one call of `step_fn` as the CPU allocator saw them: the unique storages
+    of `resident` plus the largest running sum of the sizes the allocator handed out and took
+    back while it ran (PyTorch's profiler with ``profile_memory``: one allocation event per
+    allocation and free, with its size).  Unlike `StorageTracker` it changes nothing about what
+    runs, so it sees inside ``torch.compile``'d code (inductor's buffers), and it sees a
+    kernel's internal scratch buffers too; a free of a tensor allocated before the call counts
+    as negative, as it lowers what the allocator holds."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+    base = unique_bytes(t for t in resident if isinstance(t, torch.Tensor))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step_fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        stack.extend(e.children)
+    live = peak = 0
+    for _, size in sorted(events, key=lambda x: x[0]):
+        live += size
+        peak = max(peak, live)
+    return base + peak
+
+
+METERS = ("storage", "allocator")
+
+
 def measure(step_fn: Callable[[], Any], device: "str | torch.device | None" = None,
-            resident: Iterable[Any] = ()) -> Measurement:
+            resident: Iterable[Any] = (), meter: str = "storage") -> Measurement:
     """Peak device bytes and wall time of one call of `step_fn` (``remat.measure``).
 
     CUDA: ``torch.cuda.max_memory_allocated`` over the call (everything on the device counts;
@@ -328,8 +359,12 @@ def measure(step_fn: Callable[[], Any], device: "str | torch.device | None" = No
     from a previous step) plus the peak of what the call allocates; host buffers of swapped-out
     tensors are not device bytes (the executor takes them outside the accounting).  The time
     on the CPU includes the accounting's per-op overhead: compare ratios of times measured the
-    same way.
+    same way.  ``meter="allocator"`` (CPU): `allocator_peak` instead, which also sees inside
+    compiled code (`StorageTracker`'s dispatch mode makes a compiled module run eagerly) and
+    counts every CPU allocation, host buffers included.
     """
+    if meter not in METERS:
+        raise ValueError(f"meter: expected one of {METERS}, got {meter!r}")
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -341,5 +376,8 @@ def measure(step_fn: Callable[[], Any], device: "str | torch.device | None" = No
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         box.append(time.perf_counter() - t0)
-    peak = measure_peak(timed, resident=resident, device=dev if dev.type == "cuda" else None)
+    if meter == "allocator" and dev.type == "cpu":
+        peak = allocator_peak(timed, resident)
+    else:
+        peak = measure_peak(timed, resident=resident, device=dev if dev.type == "cuda" else None)
     return Measurement(int(peak), box[0], str(dev))
