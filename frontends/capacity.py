@@ -6,8 +6,8 @@ granularity and depth the first one chose, so every size traces to the same grap
 make a `remat.sizes.GraphFamily` and `remat.sizes.search` finds, per overhead level, the
 largest size whose plan fits `memory` (its module docstring says how and when an answer is
 proven).  Beside it, what a user would get without remat, measured on the device at the traced
-sizes and extrapolated with the same polynomial: plain autograd, and ``torch.utils.checkpoint``
-on every block (`checkpointing.checkpoint_every_block`).  With ``verify=True`` the answer is
+sizes, a guess from the same polynomial and measured steps around it: plain autograd, and
+``torch.utils.checkpoint`` on every block (`checkpointing.checkpoint_every_block`).  With ``verify=True`` the answer is
 traced at its size, planned within `memory` and one planned step is run: its measured peak must
 be within the memory.  On the CPU the peaks are the exact storage accounting of
 `remat.measure`; on CUDA ``max_memory_allocated``.
@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from remat.sizes import (MAX_SIZE, CapacityResult, GraphFamily, Probe, fit_polynomial, largest, levels_for,
-                         polynomial_value, search)
+from remat.sizes import (MAX_SIZE, CapacityResult, GraphFamily, Probe, fit_polynomial, largest, largest_near,
+                         levels_for, polynomial_value, search)
 from remat.core.errors import InvalidInputError
 from remat.core.graph import Graph
 from remat.core.plan import Plan
@@ -41,9 +41,11 @@ DEFAULT_SIZES = {"batch": (2, 4), "seq": (16, 32, 48)}
 
 @dataclass
 class PeerAnswer:
-    """A way to train without remat: its measured peak bytes and step times at the traced sizes,
-    and the largest size whose extrapolated peak fits (None: it does not apply, `reason` says
-    why)."""
+    """A way to train without remat: its measured peak bytes per size probed (the traced sizes,
+    then sizes around the guess their fit makes), step times at the traced sizes, and the largest
+    size whose measured peak fits (None: it does not apply, `reason` says why).  Measured, not
+    extrapolated: a step's peak is the largest of several instants' bytes, each linear in the
+    batch, so it bends where another instant takes over."""
     name: str
     size: int | None
     peaks: dict[int, int] = field(default_factory=dict)
@@ -53,13 +55,20 @@ class PeerAnswer:
 
 @dataclass
 class Verification:
-    """One planned step at the answer's size: the plan of the graph traced there, its predicted
-    and measured peak (None when no plan fits that graph: `reason`)."""
+    """Planned steps at the answer's size: the plan of the graph traced there, its predicted and
+    measured peak (None when no plan fits that graph: `reason`), and the measured step time
+    against plain autograd's."""
     size: int
     plan: Plan | None
     measured_bytes: int | None
     memory: int
     reason: str = ""
+    step_time: float | None = None   # median measured seconds of the planned steps
+    plain_time: float | None = None  # and of plain autograd's at the same size (on a CPU, which has the room)
+
+    @property
+    def time_ratio(self) -> float | None:
+        return self.step_time / self.plain_time if self.step_time and self.plain_time else None
 
     @property
     def fits(self) -> bool:
@@ -149,10 +158,18 @@ def _peers(make: Callable, sizes: Sequence[int], dim: str, family: GraphFamily, 
                 model = checkpoint_every_block(model)
             peak, seconds = _step(model, inputs, loss_fn, device, to_none)
             peer.peaks[s], peer.times[s] = peak + extra, seconds
-        if not peer.reason:
+        if not peer.reason:  # the peaks' fit guesses; measured steps decide
             coef = fit_polynomial(list(peer.peaks), list(peer.peaks.values()), family.degree)
-            peer.size, _ = largest(lambda s: polynomial_value(coef, s) <= memory,
-                                   max(sizes), max_size)
+            guess, _ = largest(lambda s: polynomial_value(coef, s) <= memory, max(sizes), max_size)
+
+            def fits(s: int, name: str = name) -> bool:
+                if s not in peer.peaks:
+                    model, inputs = _built(make, s, dim)
+                    if name != "plain autograd":
+                        model = checkpoint_every_block(model)
+                    peer.peaks[s] = _step(model, inputs, loss_fn, device, to_none, steps=1)[0] + extra
+                return peer.peaks[s] <= memory
+            peer.size = largest_near(fits, max(guess, 1), max_size)
         out.append(peer)
     return out
 
@@ -162,13 +179,13 @@ def capacity(make: Callable[[int], Any], memory: "str | int", *, dim: str = "bat
              solver: str = "ilp", time_limit: float = 30.0, gap: float = 0.0, verify: bool = False,
              peers: bool = True, max_size: int = MAX_SIZE, device: "str | torch.device | None" = None,
              loss_fn: Callable | None = None, on_probe: Callable[[Probe], None] | None = None,
-             progress: bool = False, **trace_options: Any) -> CapacityReport:
+             progress: bool = False, verify_steps: int = 1, **trace_options: Any) -> CapacityReport:
     """The largest `dim` ("batch" or "seq") per overhead level (no recomputation, <= 1.1x, <=
     `max_overhead`) whose step fits `memory` (bytes, or a size such as ``"24GiB"``); see the
     module docstring.  `sizes`: where to trace (default ``DEFAULT_SIZES[dim]``); `trace_options`
     go to `remat.trace` (granularity, depth, grads, optimizer...); `swap` (default: not on a
     CPU), `solver`, `time_limit` (per probe) and `gap` to the planner; `on_probe(probe)` is called
-    as each size is decided.  Raises `InvalidInputError` for a memory below what size 1 holds
+    as each size is decided; `verify_steps` planned steps are measured with `verify`.  Raises `InvalidInputError` for a memory below what size 1 holds
     before any activation, a model whose inputs do not change with the size, or sizes that trace
     to different graphs."""
     from remat.budget import is_relative, parse_budget
@@ -202,13 +219,14 @@ def capacity(make: Callable[[int], Any], memory: "str | int", *, dim: str = "bat
     best = result.best()
     if verify and best.size:
         report.verification = verify_size(make, best.size, dim, memory, options, loss_fn, dev, swap=swap,
-                                          solver=solver, time_limit=time_limit, gap=gap)
+                                          steps=verify_steps, solver=solver, time_limit=time_limit, gap=gap)
     return report
 
 
 def verify_size(make: Callable, size: int, dim: str, memory: int, trace_options: dict, loss_fn: Callable,
-                device: torch.device, **plan_options: Any) -> Verification:
-    """Trace at `size`, plan within `memory`, run one planned step and measure its peak."""
+                device: torch.device, steps: int = 1, **plan_options: Any) -> Verification:
+    """Trace at `size`, plan within `memory`, run `steps` planned steps and measure their peak
+    (and, with more than one step on a CPU, as many plain autograd steps for the time ratio)."""
     from remat.core.errors import InfeasibleBudgetError
     from remat.planning import plan as make_plan
     model, inputs = _built(make, size, dim)
@@ -218,8 +236,10 @@ def verify_size(make: Callable, size: int, dim: str, memory: int, trace_options:
     except InfeasibleBudgetError as e:
         return Verification(size, None, None, memory, f"the graph traced at {dim} {size} has no plan within the "
                             f"memory: {e}")
-    rep = run_plan(model, inputs, p, steps=1, device=device, loss_fn=loss_fn, plain=False)
-    return Verification(size, p, rep.peak_bytes, memory)
+    plain = device.type == "cpu" and steps > 1  # (plain autograd may not fit a real device's memory)
+    rep = run_plan(model, inputs, p, steps=steps, device=device, loss_fn=loss_fn, plain=plain)
+    return Verification(size, p, rep.peak_bytes, memory, step_time=rep.step_time,
+                        plain_time=rep.plain.time if rep.plain is not None else None)
 
 
 __all__ = ["capacity", "verify_size", "example_size", "CapacityReport", "PeerAnswer", "Verification", "DEFAULT_SIZES"]

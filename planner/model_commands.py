@@ -299,12 +299,12 @@ def run_capacity(args: Any, solver_options: dict, trace_options: dict) -> int:
         if peer.size is None:
             print(f"peer       {peer.name}: n/a ({peer.reason})")
             continue
-        at = ", ".join(f"{format_bytes(b)} at {s}" for s, b in peer.peaks.items())
+        at = ", ".join(f"{format_bytes(peer.peaks[s])} at {s}" for s in (peer.size, peer.size + 1) if s in peer.peaks)
         plain = rep.peers[0]
         top = max(peer.times)
-        ratio = (f", {peer.times[top] / plain.times[top]:.2f}x plain's step time at {dim} {top}"
+        ratio = (f"; {peer.times[top] / plain.times[top]:.2f}x plain's step time at {dim} {top}"
                  if peer is not plain and plain.times.get(top) else "")
-        print(f"peer       {peer.name}: {dim} {peer.size} (measured peaks {at}, extrapolated{ratio})")
+        print(f"peer       {peer.name}: {dim} {peer.size} (measured {at}{ratio})")
     v = rep.verification
     if v is not None:
         if v.plan is None:

@@ -263,6 +263,45 @@ def largest(holds: Callable[[int], bool], start: int, max_size: int = MAX_SIZE) 
     return lo, False
 
 
+def largest_near(holds: Callable[[int], bool], guess: int, max_size: int = MAX_SIZE) -> int:
+    """The largest size in 1..max_size where `holds` (0 if none; the same assumption as
+    `largest`), probing outward from `guess` in doubling steps, then bisecting: about
+    2 log2 |answer - guess| probes when the guess is close."""
+    g = min(max(1, int(guess)), max_size)
+    step = 1
+    if holds(g):
+        lo = g
+        while True:
+            s = lo + step
+            if s > max_size:
+                if lo == max_size or holds(max_size):
+                    return max_size
+                hi = max_size
+                break
+            if not holds(s):
+                hi = s
+                break
+            lo, step = s, step * 2
+    else:
+        hi = g
+        while True:
+            s = hi - step
+            if s < 1:
+                lo = 0
+                break
+            if holds(s):
+                lo = s
+                break
+            hi, step = s, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def search(family: GraphFamily, memory: int, levels: Iterable[float] = (1.0, 1.1, 1.3), *, swap: bool = False,
            solver: str = "ilp", max_size: int = MAX_SIZE, on_probe: Callable[[Probe], None] | None = None,
            **options) -> CapacityResult:
@@ -290,5 +329,5 @@ def search(family: GraphFamily, memory: int, levels: Iterable[float] = (1.0, 1.1
     return CapacityResult(memory, family.dim, answers, plain, probe.probes)
 
 
-__all__ = ["fit_polynomial", "polynomial_value", "GraphFamily", "Probe", "LevelAnswer", "CapacityResult", "Prober", "search", "largest", "levels_for",
+__all__ = ["fit_polynomial", "polynomial_value", "GraphFamily", "Probe", "LevelAnswer", "CapacityResult", "Prober", "search", "largest", "largest_near", "levels_for",
            "DIMS", "MAX_SIZE"]
