@@ -38,7 +38,7 @@ register_moved(MOVED_MODULES)
 # `remat.trace`, `remat.apply` and `remat.measure` live in remat.frontends, which imports torch:
 # loaded on first use only, so `import remat` stays torch-free
 _LAZY = {"trace": ("remat.frontends.tracing", "trace"), "apply": ("remat.frontends.applying", "apply"),
-         "measure": ("remat.frontends.measuring", "measure"), "capacity": ("remat.frontends.capacity", "capacity")}
+         "measure": ("remat.frontends.measuring", "measure"), "capacity": ("remat.sizing", "capacity")}
 
 
 def __getattr__(name: str):

@@ -254,14 +254,14 @@ def run_capacity(args: Any, solver_options: dict, trace_options: dict) -> int:
     ``--memory``, per overhead level; a line per size probed as it is decided, the answers,
     plain autograd's and checkpoint-every-block's beside them, and the plan for the largest."""
     from remat.core.units import format_bytes
-    from remat.frontends.capacity import capacity
+    from remat.sizing import capacity
     from remat.sizes import MAX_SIZE
     shape = parse_shape(args.input_shape)
     dim = "seq" if args.seq else "batch"
     sizes = parse_sizes(args.sizes)
     if sizes is None:  # the model's own size and twice it (a sequence: three lengths)
         _, inputs, _ = load_model(args.model, batch=args.batch, input_shape=shape, full=args.full)
-        from remat.frontends.capacity import DEFAULT_SIZES, example_size
+        from remat.sizing import DEFAULT_SIZES, example_size
         own = example_size(inputs, dim) or DEFAULT_SIZES[dim][0]
         own = max(own, 2)
         sizes = [own * k for k in range(1, len(DEFAULT_SIZES[dim]) + 1)]

@@ -26,7 +26,7 @@ was refuted by a bound, a proof of infeasibility or an optimal plan over the lev
 ran out of time leaves the answer a lower bound, and the result says so.
 
 Plain autograd's answer (`plain_size`) is the largest size whose keep-everything peak fits.
-Nothing here imports torch; tracing at the sizes is `remat.frontends.capacity` (``remat.capacity``).
+Nothing here imports torch; tracing at the sizes is `remat.sizing` (``remat.capacity``).
 """
 from __future__ import annotations
 

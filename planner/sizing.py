@@ -22,17 +22,17 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from remat.sizes import (MAX_SIZE, CapacityResult, GraphFamily, Probe, fit_polynomial, largest, largest_near,
+from .sizes import (MAX_SIZE, CapacityResult, GraphFamily, Probe, fit_polynomial, largest, largest_near,
                          levels_for, polynomial_value, search)
 from remat.core.errors import InvalidInputError
 from remat.core.graph import Graph
 from remat.core.plan import Plan
 
-from .base import default_loss, split_inputs
-from .checkpointing import block_names, checkpoint_every_block
-from .measuring import measure
-from .run import run_plan
-from .tracing import trace
+from remat.frontends.base import default_loss, split_inputs
+from remat.frontends.checkpointing import block_names, checkpoint_every_block
+from remat.frontends.measuring import measure
+from remat.frontends.run import run_plan
+from remat.frontends.tracing import trace
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,8 @@ def capacity(make: Callable[[int], Any], memory: "str | int", *, dim: str = "bat
     as each size is decided; `verify_steps` planned steps are measured with `verify`.  Raises `InvalidInputError` for a memory below what size 1 holds
     before any activation, a model whose inputs do not change with the size, or sizes that trace
     to different graphs."""
-    from remat.budget import is_relative, parse_budget
-    from remat.planning import default_swap
+    from .budget import is_relative, parse_budget
+    from .planning import default_swap
     if is_relative(memory):
         raise InvalidInputError(f"--memory: give a size such as 24GiB, not a ratio ({memory!r})")
     memory = parse_budget(memory)
@@ -228,7 +228,7 @@ def verify_size(make: Callable, size: int, dim: str, memory: int, trace_options:
     """Trace at `size`, plan within `memory`, run `steps` planned steps and measure their peak
     (and, with more than one step on a CPU, as many plain autograd steps for the time ratio)."""
     from remat.core.errors import InfeasibleBudgetError
-    from remat.planning import plan as make_plan
+    from .planning import plan as make_plan
     model, inputs = _built(make, size, dim)
     graph = trace(model, inputs, loss_fn, device=device, **trace_options)
     try:
