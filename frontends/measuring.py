@@ -16,7 +16,11 @@ allocates.  On CUDA pass ``device="cuda"`` to read the caching allocator's
 """
 from __future__ import annotations
 
+import bisect
+import contextlib
 import gc
+import os
+import sys
 import time
 import warnings
 import weakref
@@ -27,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker", "measure_peak", "allocator_peak", "METERS", "measure", "Measurement", "storage_key", "storage_bytes", "unique_bytes",
+__all__ = ["StorageTracker", "measure_peak", "allocator_peak", "AllocationLog", "METERS", "measure", "Measurement", "storage_key", "storage_bytes", "unique_bytes",
            "block_bytes", "AllocatorWindow", "LibraryWorkspaces", "untracked_device_bytes",
            "untracked_blocks", "unowned_bytes", "on_autograd_thread"]
 
@@ -318,6 +322,88 @@ class Measurement:
     device: str
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for a moment: kineto writes a line to it at every
+    profiler start and stop, which would land in the command line's output."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class AllocationLog:
+    """The CPU allocator's allocations and frees over a block, from one profiler session
+    (``profile_memory``), by labelled windows: ``with log: ... with log.window(key): <code>``,
+    then ``log.peak(key)`` = the largest running sum of the sizes allocated and freed within the
+    window, relative to its start.  On the CPU that is what `AllocatorWindow` tells on CUDA: it
+    includes what kernels allocate internally (a dropout's float copy of its mask), which no
+    tensor-level accounting sees."""
+
+    def __init__(self):
+        from torch.profiler import ProfilerActivity, profile
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._peaks: dict[Any, int] | None = None
+
+    def __enter__(self) -> "AllocationLog":
+        with warnings.catch_warnings(), _quiet_stderr():
+            warnings.simplefilter("ignore")
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        with warnings.catch_warnings(), _quiet_stderr():
+            warnings.simplefilter("ignore")
+            self._prof.__exit__(*exc)
+        return False
+
+    @contextlib.contextmanager
+    def window(self, key: Any):
+        from torch.profiler import record_function
+        with record_function(f"remat.window.{key}"):
+            yield
+
+    def peaks(self) -> dict:
+        """Window label -> its peak (class docstring); the whole block's under ``None``.  Windows
+        are matched to allocations by time, not by nesting (under a dispatch mode the profiler's
+        events for a window and for the ops inside it are siblings)."""
+        if self._peaks is None:
+            from torch._C._profiler import _EventType
+            allocs, windows = [], []
+            stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+            while stack:
+                e = stack.pop()
+                if e.tag == _EventType.Allocation:
+                    if e.extra_fields.device.type == "cpu":
+                        allocs.append((e.start_time_ns, e.extra_fields.alloc_size))
+                elif e.name.startswith("remat.window."):
+                    windows.append((e.start_time_ns, e.end_time_ns, e.name[len("remat.window."):]))
+                stack.extend(e.children)
+            allocs.sort(key=lambda x: x[0])
+            times = [t for t, _ in allocs]
+            self._peaks = {None: _running_peak(allocs)}
+            for t0, t1, key in windows:
+                lo, hi = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
+                self._peaks[key] = _running_peak(allocs[lo:hi])
+        return self._peaks
+
+    def peak(self, key: Any) -> int:
+        return self.peaks().get(str(key), 0)
+
+
+def _running_peak(events: list[tuple[int, int]]) -> int:
+    live = peak = 0
+    for _, size in sorted(events, key=lambda x: x[0]):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
 def allocator_peak(step_fn: Callable[[], Any], resident: Iterable[Any] = ()) -> int:
     """Peak CPU bytes of one call of `step_fn` as the CPU allocator saw them: the unique storages
     of `resident` plus the largest running sum of the sizes the allocator handed out and took
@@ -326,24 +412,10 @@ def allocator_peak(step_fn: Callable[[], Any], resident: Iterable[Any] = ()) -> 
     runs, so it sees inside ``torch.compile``'d code (inductor's buffers), and it sees a
     kernel's internal scratch buffers too; a free of a tensor allocated before the call counts
     as negative, as it lowers what the allocator holds."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
     base = unique_bytes(t for t in resident if isinstance(t, torch.Tensor))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step_fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-        stack.extend(e.children)
-    live = peak = 0
-    for _, size in sorted(events, key=lambda x: x[0]):
-        live += size
-        peak = max(peak, live)
-    return base + peak
+    with AllocationLog() as log:
+        step_fn()
+    return base + log.peaks()[None]
 
 
 METERS = ("storage", "allocator")

@@ -299,7 +299,8 @@ def run_capacity(args: Any, solver_options: dict, trace_options: dict) -> int:
         if peer.size is None:
             print(f"peer       {peer.name}: n/a ({peer.reason})")
             continue
-        at = ", ".join(f"{format_bytes(peer.peaks[s])} at {s}" for s in (peer.size, peer.size + 1) if s in peer.peaks)
+        at = ", ".join(f"{format_bytes(peer.peaks[s]) if peer.peaks[s] is not None else 'out of memory'} at {s}"
+                       for s in (peer.size, peer.size + 1) if s in peer.peaks)
         plain = rep.peers[0]
         top = max(peer.times)
         ratio = (f"; {peer.times[top] / plain.times[top]:.2f}x plain's step time at {dim} {top}"

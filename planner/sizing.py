@@ -48,7 +48,7 @@ class PeerAnswer:
     batch, so it bends where another instant takes over."""
     name: str
     size: int | None
-    peaks: dict[int, int] = field(default_factory=dict)
+    peaks: dict[int, "int | None"] = field(default_factory=dict)  # None: out of device memory
     times: dict[int, float] = field(default_factory=dict)  # median measured step seconds
     reason: str = ""
 
@@ -167,8 +167,12 @@ def _peers(make: Callable, sizes: Sequence[int], dim: str, family: GraphFamily, 
                     model, inputs = _built(make, s, dim)
                     if name != "plain autograd":
                         model = checkpoint_every_block(model)
-                    peer.peaks[s] = _step(model, inputs, loss_fn, device, to_none, steps=1)[0] + extra
-                return peer.peaks[s] <= memory
+                    try:
+                        peer.peaks[s] = _step(model, inputs, loss_fn, device, to_none, steps=1)[0] + extra
+                    except torch.OutOfMemoryError:  # (a real device's memory ran out first)
+                        peer.peaks[s] = None
+                    del model, inputs
+                return peer.peaks[s] is not None and peer.peaks[s] <= memory
             peer.size = largest_near(fits, max(guess, 1), max_size)
         out.append(peer)
     return out

@@ -1,0 +1,236 @@
+"""remat side by side with what a user would pick instead, on one model, in one run.
+
+Variants, each on a fresh copy of the model (same initial weights, same batches, the same RNG
+seed before every step), in PyTorch's default loop (gradients set to None between steps):
+
+* ``plain``: plain autograd;
+* ``ckpt-every-k`` (k = 1, 2, 3): ``torch.utils.checkpoint`` (non-reentrant) on every k-th
+  repeated block (`remat.frontends.checkpointing`);
+* ``save-on-cpu``: ``torch.autograd.graph.save_on_cpu`` around the step (on a CPU the "host" is
+  the same memory: the row shows its cost, not a saving);
+* ``compile-BACKEND-SOLVER-B``: ``torch.compile`` with ``activation_memory_budget = B`` (the
+  partitioner's knapsack; solvers ``dp``, its default, and ``ilp``), backends
+  ``aot_eager_decomp_partition`` and, with ``--inductor``, ``inductor`` (``fallback_random``
+  on); budget 1 (no knapsack) first, whose gradients are the reference for the others: the
+  compiled step draws its random numbers through decomposed ops, unlike eager, so against plain
+  every dropout model differs, and a difference from budget 1 is a recomputation drawing fresh
+  randomness (pytorch#190758);
+* ``remat@VARIANT``: remat planned (`remat.trace` defaults unless the case names a granularity;
+  the ILP without swap) at the peak VARIANT measured, for every peer, applied with `remat.apply`.
+
+For each: the peak (one meter for all: on the CPU the allocator's own events,
+``remat.measure(meter="allocator")``, which see inside compiled code and kernels' scratch
+buffers; on CUDA ``max_memory_allocated``; eager variants also under the storage accounting,
+the meter remat's CPU predictions are made for), the median step time of ``--steps`` steps after warm-up, and the largest
+difference of the loss and of any gradient from plain autograd's first step.  CSV rows, and a
+picture: step time against peak, both over plain's, one marker per variant, remat's points joined.
+
+    python benchmarks/peers.py                                  # zoo GPT-2 (4 layers, batch 8, seq 256)
+    python benchmarks/peers.py --case resnet50 --inductor --budgets 0.1,0.5,0.9
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from csvout import write_csv  # noqa: E402
+
+import torch  # noqa: E402
+
+import remat  # noqa: E402
+from remat.core.errors import RematError  # noqa: E402
+from remat.frontends import default_loss, zoo  # noqa: E402
+from remat.frontends.checkpointing import block_names, checkpoint_every_block  # noqa: E402
+from remat.frontends.run import random_batch  # noqa: E402
+
+# name -> (zoo model, zoo settings, trace options)
+CASES = {
+    "gpt2": ("gpt2", {"batch": 8, "seq_len": 256, "n_layer": 4}, {}),
+    "resnet50": ("resnet50", {"batch": 8, "image_size": 64}, {"granularity": "module"}),
+}
+COLUMNS = ("case", "variant", "kind", "peak_bytes", "storage_peak_bytes", "predicted_peak_bytes", "step_s",
+           "peak_over_plain", "time_over_plain", "loss_diff", "max_grad_diff", "grad_diff_vs_compile_1", "note")
+
+
+def run_steps(model: torch.nn.Module, step: Callable[[tuple], torch.Tensor], example: tuple, steps: int,
+              warmup: int, device: torch.device, storage: bool) -> dict:
+    """Peak, median time, first loss and first gradients: `warmup` steps, `steps` timed steps
+    (no meter: a meter's per-op cost grows with the op count, which compiled graphs change), then
+    one step under the allocator meter and, with `storage`, one under the storage accounting (the
+    meter remat's CPU predictions are made for; it would make compiled code run eagerly).  Every
+    step's batch and RNG seed are the same across variants."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [random_batch(example, gen, device) for _ in range(warmup + steps)]
+    peak, times, first = 0, [], None
+    meters = [None] * len(batches) + ["allocator"] + (["storage"] if storage else [])
+    batches = batches + batches[-1:] * (len(meters) - len(batches))
+    storage_peak = None
+    for k, (batch, meter) in enumerate(zip(batches, meters)):
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(100 + k)
+        box: list = []
+
+        def one() -> None:
+            loss = step(batch)
+            loss.backward()
+            box.append(loss.detach())
+        resident = list(model.parameters()) + list(model.buffers()) + list(batch)
+        if meter is None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            one()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if k == warmup:
+                first = (float(box[0]), [None if p.grad is None else p.grad.detach().clone()
+                                         for p in model.parameters()])
+            if k >= warmup:
+                times.append(time.perf_counter() - t0)
+            continue
+        m = remat.measure(one, device, resident=resident, meter=meter)
+        if meter == "storage":
+            storage_peak = m.peak_bytes
+        else:
+            peak = m.peak_bytes
+    return {"peak_bytes": peak, "storage_peak_bytes": storage_peak, "step_s": statistics.median(times),
+            "first": first}
+
+
+def grad_diff(a: list, b: list) -> float:
+    out = 0.0
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            out = max(out, 0.0 if x is y else float("inf"))
+        else:
+            out = max(out, float((x - y).abs().max()))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", default="gpt2", choices=sorted(CASES))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--budgets", default="0.1,0.3,0.5,0.7,0.9", help="activation_memory_budget values")
+    ap.add_argument("--solvers", default="dp,ilp", help="activation_memory_budget_solver values")
+    ap.add_argument("--inductor", action="store_true", help="also the inductor backend (C++ compile: slow)")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="ILP seconds per remat plan")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("-o", "--output", default=None, help="CSV (default benchmarks/results/peers-CASE.csv)")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    name, settings, trace_opts = CASES[args.case]
+    base, example = zoo.get(name, **settings)
+    example = example if isinstance(example, tuple) else (example,)
+    base.to(dev)
+    rows: list[dict] = []
+    plain_first: dict = {}
+
+    def record(variant: str, kind: str, model: torch.nn.Module, step: Callable, warmup: int = 1,
+               note: str = "", predicted: int | None = None, reference: list | None = None) -> dict:
+        res = run_steps(model, step, example, args.steps, warmup, dev,
+                        storage=not kind.startswith("compile") and dev.type == "cpu")
+        loss, grads = res["first"]
+        if not plain_first:
+            plain_first.update(loss=loss, grads=grads, peak=res["peak_bytes"], time=res["step_s"])
+        row = {"case": args.case, "variant": variant, "kind": kind, "peak_bytes": res["peak_bytes"],
+               "storage_peak_bytes": res["storage_peak_bytes"], "predicted_peak_bytes": predicted,
+               "step_s": round(res["step_s"], 5), "peak_over_plain": round(res["peak_bytes"] / plain_first["peak"], 4),
+               "time_over_plain": round(res["step_s"] / plain_first["time"], 3),
+               "loss_diff": abs(loss - plain_first["loss"]), "max_grad_diff": grad_diff(grads, plain_first["grads"]),
+               "grad_diff_vs_compile_1": grad_diff(grads, reference) if reference is not None else None,
+               "note": note}
+        rows.append(row)
+        print(f"{variant:<40} peak {row['peak_over_plain']:.3f}x  time {row['time_over_plain']:.3f}x  "
+              f"grad diff {row['max_grad_diff']:.2e}"
+              + (f" (vs budget 1: {row['grad_diff_vs_compile_1']:.2e})" if reference is not None else "")
+              + f"  {note}", flush=True)
+        row["_grads"] = grads
+        return row
+
+    def eager(model: torch.nn.Module, wrap: Callable[[], Any] = contextlib.nullcontext) -> Callable:
+        def step(batch: tuple) -> torch.Tensor:
+            with wrap():
+                return default_loss(model(*batch), *batch)
+        return step
+
+    m = copy.deepcopy(base)
+    record("plain", "plain", m, eager(m))
+    blocks = block_names(base)
+    for k in (1, 2, 3):
+        m = checkpoint_every_block(base, blocks[k - 1::k])
+        record(f"ckpt-every-{k}", "checkpoint", m, eager(m), note=f"{len(blocks[k - 1::k])} of {len(blocks)} blocks")
+    m = copy.deepcopy(base)
+    record("save-on-cpu", "save_on_cpu", m, eager(m, lambda: torch.autograd.graph.save_on_cpu(pin_memory=False)))
+    backends = ["aot_eager_decomp_partition"] + (["inductor"] if args.inductor else [])
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as iconfig
+    for backend in backends:
+        # budget 1 first: its gradients are the reference for the budgets below, drawn by the same
+        # (decomposed) random ops, so a difference there is a recomputation's fresh randomness
+        reference = None
+        for solver, b in [("dp", 1.0)] + [(sv, float(x)) for sv in args.solvers.split(",")
+                                          for x in args.budgets.split(",")]:
+            torch._dynamo.reset()
+            m = copy.deepcopy(base)
+            compiled = torch.compile(m, backend=backend)
+            with fconfig.patch(activation_memory_budget=b, activation_memory_budget_solver=solver), \
+                    iconfig.patch(fallback_random=True):
+                try:
+                    row = record(f"compile-{backend}-{solver}-{b:g}", f"compile-{backend}", m, eager(compiled),
+                                 warmup=2, reference=reference)
+                except Exception as e:  # noqa: BLE001 - a peer that fails is a row, not the end
+                    print(f"compile-{backend}-{solver}-{b:g}: {type(e).__name__}: {e}", flush=True)
+                    continue
+            if reference is None:
+                reference = row["_grads"]
+    torch._dynamo.reset()
+    graph = remat.trace(copy.deepcopy(base), example, name=args.case, **trace_opts)
+    print(f"remat graph: {graph.meta.get('granularity')}, {graph.n} nodes", flush=True)
+    for peer in [r for r in rows if r["kind"] != "plain" and r["variant"] != "compile-" + backends[0] + "-dp-1"]:
+        m = copy.deepcopy(base)
+        try:
+            plan = remat.plan(graph, int(peer["peak_bytes"]), swap=False, time_limit=args.time_limit)
+        except RematError as e:
+            print(f"remat@{peer['variant']}: {e}", flush=True)
+            continue
+        planned = remat.apply(m, plan, example)
+        record(f"remat@{peer['variant']}", "remat", m, lambda batch, planned=planned: planned(*batch),
+               note=f"{plan.solver.get('status')}, predicted {plan.predicted['overhead']:.3f}x",
+               predicted=plan.predicted["peak_bytes"])
+    out = args.output or f"benchmarks/results/peers-{args.case}.csv"
+    for row in rows:
+        row.pop("_grads", None)
+    write_csv(out, COLUMNS, rows)
+    picture(rows, Path(out).with_suffix(".png"), args.case)
+    return 0
+
+
+def picture(rows: list[dict], path: Path, case: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind in sorted({r["kind"] for r in rows}):
+        pts = sorted((r["peak_over_plain"], r["time_over_plain"]) for r in rows if r["kind"] == kind)
+        ax.plot(*zip(*pts), "o-" if kind == "remat" else "o", label=kind, alpha=0.8)
+    ax.set_xlabel("measured peak / plain autograd's")
+    ax.set_ylabel("median step time / plain autograd's")
+    ax.set_title(f"{case}: remat and its peers, one run")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
