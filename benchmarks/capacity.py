@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from csvout import write_csv  # noqa: E402
+from csvout import steady_malloc, write_csv  # noqa: E402
 
 import remat  # noqa: E402
 from remat.core.units import format_bytes  # noqa: E402
@@ -92,4 +92,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    steady_malloc()
     sys.exit(main())

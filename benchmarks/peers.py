@@ -22,8 +22,9 @@ For each: the peak (one meter for all: on the CPU the allocator's own events,
 ``remat.measure(meter="allocator")``, which see inside compiled code and kernels' scratch
 buffers; on CUDA ``max_memory_allocated``; eager variants also under the storage accounting,
 the meter remat's CPU predictions are made for), the median step time of ``--steps`` steps after warm-up, and the largest
-difference of the loss and of any gradient from plain autograd's first step.  CSV rows, and a
-picture: step time against peak, both over plain's, one marker per variant, remat's points joined.
+difference of the loss and of any gradient from plain autograd's on a reference step (the same
+batch and RNG seed for every variant).  Times are over
+plain's, measured first and again last (the median of the two).  CSV rows, and a picture: step time against peak, both over plain's, one marker per variant, remat's points joined.
 
     python benchmarks/peers.py                                  # zoo GPT-2 (4 layers, batch 8, seq 256)
     python benchmarks/peers.py --case resnet50 --inductor --budgets 0.1,0.5,0.9
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from csvout import write_csv  # noqa: E402
+from csvout import steady_malloc, write_csv  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -61,21 +62,24 @@ COLUMNS = ("case", "variant", "kind", "peak_bytes", "storage_peak_bytes", "predi
 
 def run_steps(model: torch.nn.Module, step: Callable[[tuple], torch.Tensor], example: tuple, steps: int,
               warmup: int, device: torch.device, storage: bool) -> dict:
-    """Peak, median time, first loss and first gradients: `warmup` steps, `steps` timed steps
-    (no meter: a meter's per-op cost grows with the op count, which compiled graphs change), then
-    one step under the allocator meter and, with `storage`, one under the storage accounting (the
-    meter remat's CPU predictions are made for; it would make compiled code run eagerly).  Every
-    step's batch and RNG seed are the same across variants."""
+    """Peak, median time, and the reference step's loss and gradients: `warmup` steps, `steps`
+    timed steps (no meter: a meter's per-op cost grows with the op count, which compiled graphs
+    change), the reference step, one step under the allocator meter and, with `storage`, one
+    under the storage accounting (the meter remat's CPU predictions are made for; it would make
+    compiled code run eagerly).  Every step's batch and RNG seed are the same across variants."""
     gen = torch.Generator().manual_seed(1)
     batches = [random_batch(example, gen, device) for _ in range(warmup + steps)]
+    reference = random_batch(example, torch.Generator().manual_seed(2), device)
     peak, times, first = 0, [], None
-    meters = [None] * len(batches) + ["allocator"] + (["storage"] if storage else [])
-    batches = batches + batches[-1:] * (len(meters) - len(batches))
+    # the timed steps, then the reference step (the same batch and seed for every variant: its
+    # loss and gradients are compared), then the meters' steps
+    meters = [None] * len(batches) + ["reference", "allocator"] + (["storage"] if storage else [])
+    batches = batches + [reference] * (len(meters) - len(batches))
     storage_peak = None
     for k, (batch, meter) in enumerate(zip(batches, meters)):
         for p in model.parameters():
             p.grad = None
-        torch.manual_seed(100 + k)
+        torch.manual_seed(999 if meter == "reference" else 100 + k)
         box: list = []
 
         def one() -> None:
@@ -90,11 +94,12 @@ def run_steps(model: torch.nn.Module, step: Callable[[tuple], torch.Tensor], exa
             one()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            if k == warmup:
-                first = (float(box[0]), [None if p.grad is None else p.grad.detach().clone()
-                                         for p in model.parameters()])
             if k >= warmup:
                 times.append(time.perf_counter() - t0)
+            continue
+        if meter == "reference":
+            one()
+            first = (float(box[0]), [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
             continue
         m = remat.measure(one, device, resident=resident, meter=meter)
         if meter == "storage":
@@ -118,7 +123,7 @@ def grad_diff(a: list, b: list) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", default="gpt2", choices=sorted(CASES))
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per variant (median)")
     ap.add_argument("--budgets", default="0.1,0.3,0.5,0.7,0.9", help="activation_memory_budget values")
     ap.add_argument("--solvers", default="dp,ilp", help="activation_memory_budget_solver values")
     ap.add_argument("--inductor", action="store_true", help="also the inductor backend (C++ compile: slow)")
@@ -163,7 +168,7 @@ def main(argv=None) -> int:
         return step
 
     m = copy.deepcopy(base)
-    record("plain", "plain", m, eager(m))
+    record("plain", "plain", m, eager(m), warmup=3)  # (the process's first steps run slow)
     blocks = block_names(base)
     for k in (1, 2, 3):
         m = checkpoint_every_block(base, blocks[k - 1::k])
@@ -206,6 +211,12 @@ def main(argv=None) -> int:
         record(f"remat@{peer['variant']}", "remat", m, lambda batch, planned=planned: planned(*batch),
                note=f"{plan.solver.get('status')}, predicted {plan.predicted['overhead']:.3f}x",
                predicted=plan.predicted["peak_bytes"])
+    m = copy.deepcopy(base)
+    again = record("plain (again)", "plain", m, eager(m))
+    # the ratios' reference: plain's median time, measured at the start and again at the end
+    ref = statistics.median([rows[0]["step_s"], again["step_s"]])
+    for row in rows:
+        row["time_over_plain"] = round(row["step_s"] / ref, 3)
     out = args.output or f"benchmarks/results/peers-{args.case}.csv"
     for row in rows:
         row.pop("_grads", None)
@@ -233,4 +244,5 @@ def picture(rows: list[dict], path: Path, case: str) -> None:
 
 
 if __name__ == "__main__":
+    steady_malloc()
     sys.exit(main())
