@@ -6,6 +6,8 @@ seed before every step), in PyTorch's default loop (gradients set to None betwee
 * ``plain``: plain autograd;
 * ``ckpt-every-k`` (k = 1, 2, 3): ``torch.utils.checkpoint`` (non-reentrant) on every k-th
   repeated block (`remat.frontends.checkpointing`);
+* ``hf-gradient-checkpointing``: transformers' ``gradient_checkpointing_enable`` (named
+  ``activation_checkpointing_enable`` from transformers 5; non-reentrant), on its models;
 * ``save-on-cpu``: ``torch.autograd.graph.save_on_cpu`` around the step (on a CPU the "host" is
   the same memory: the row shows its cost, not a saving);
 * ``compile-BACKEND-SOLVER-B``: ``torch.compile`` with ``activation_memory_budget = B`` (the
@@ -27,6 +29,7 @@ batch and RNG seed for every variant).  Times are over
 plain's, measured first and again last (the median of the two).  CSV rows, and a picture: step time against peak, both over plain's, one marker per variant, remat's points joined.
 
     python benchmarks/peers.py                                  # zoo GPT-2 (4 layers, batch 8, seq 256)
+    python benchmarks/peers.py --case hf-gpt2                   # transformers GPT-2 (4 layers, width 128)
     python benchmarks/peers.py --case resnet50 --inductor --budgets 0.1,0.5,0.9
 """
 from __future__ import annotations
@@ -51,10 +54,26 @@ from remat.frontends import default_loss, zoo  # noqa: E402
 from remat.frontends.checkpointing import block_names, checkpoint_every_block  # noqa: E402
 from remat.frontends.run import random_batch  # noqa: E402
 
-# name -> (zoo model, zoo settings, trace options)
+def hf_gpt2(batch: int = 8, seq: int = 256) -> tuple:
+    """A transformers GPT-2 (4 layers, width 128, vocabulary 1024, dropout 0.1), token ids, and
+    the next-token loss a user's loop computes from its logits."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1024, n_positions=seq,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+    def lm_loss(out, ids):
+        return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return model, (ids,), lm_loss
+
+
+# name -> (build: () -> (model, example inputs, loss_fn), trace options)
 CASES = {
-    "gpt2": ("gpt2", {"batch": 8, "seq_len": 256, "n_layer": 4}, {}),
-    "resnet50": ("resnet50", {"batch": 8, "image_size": 64}, {"granularity": "module"}),
+    "gpt2": (lambda: (*zoo.get("gpt2", batch=8, seq_len=256, n_layer=4), default_loss), {}),
+    "hf-gpt2": (hf_gpt2, {}),
+    "resnet50": (lambda: (*zoo.get("resnet50", batch=8, image_size=64), default_loss), {"granularity": "module"}),
 }
 COLUMNS = ("case", "variant", "kind", "peak_bytes", "storage_peak_bytes", "predicted_peak_bytes", "step_s",
            "peak_over_plain", "time_over_plain", "loss_diff", "max_grad_diff", "grad_diff_vs_compile_1", "note")
@@ -132,8 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--output", default=None, help="CSV (default benchmarks/results/peers-CASE.csv)")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
-    name, settings, trace_opts = CASES[args.case]
-    base, example = zoo.get(name, **settings)
+    build, trace_opts = CASES[args.case]
+    base, example, loss_fn = build()
     example = example if isinstance(example, tuple) else (example,)
     base.to(dev)
     rows: list[dict] = []
@@ -164,7 +183,7 @@ def main(argv=None) -> int:
     def eager(model: torch.nn.Module, wrap: Callable[[], Any] = contextlib.nullcontext) -> Callable:
         def step(batch: tuple) -> torch.Tensor:
             with wrap():
-                return default_loss(model(*batch), *batch)
+                return loss_fn(model(*batch), *batch)
         return step
 
     m = copy.deepcopy(base)
@@ -173,6 +192,14 @@ def main(argv=None) -> int:
     for k in (1, 2, 3):
         m = checkpoint_every_block(base, blocks[k - 1::k])
         record(f"ckpt-every-{k}", "checkpoint", m, eager(m), note=f"{len(blocks[k - 1::k])} of {len(blocks)} blocks")
+    # transformers' own switch (``activation_checkpointing_enable`` from 5.x, the older name before)
+    switch = next((n for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+                   if hasattr(base, n)), None)
+    if switch is not None:
+        m = copy.deepcopy(base)
+        kwargs = "activation" if switch.startswith("activation") else "gradient"
+        getattr(m, switch)(**{f"{kwargs}_checkpointing_kwargs": {"use_reentrant": False}})
+        record("hf-gradient-checkpointing", "checkpoint", m, eager(m), note=switch)
     m = copy.deepcopy(base)
     record("save-on-cpu", "save_on_cpu", m, eager(m, lambda: torch.autograd.graph.save_on_cpu(pin_memory=False)))
     backends = ["aot_eager_decomp_partition"] + (["inductor"] if args.inductor else [])
@@ -198,7 +225,7 @@ def main(argv=None) -> int:
             if reference is None:
                 reference = row["_grads"]
     torch._dynamo.reset()
-    graph = remat.trace(copy.deepcopy(base), example, name=args.case, **trace_opts)
+    graph = remat.trace(copy.deepcopy(base), example, loss_fn, name=args.case, **trace_opts)
     print(f"remat graph: {graph.meta.get('granularity')}, {graph.n} nodes", flush=True)
     for peer in [r for r in rows if r["kind"] != "plain" and r["variant"] != "compile-" + backends[0] + "-dp-1"]:
         m = copy.deepcopy(base)
@@ -207,7 +234,7 @@ def main(argv=None) -> int:
         except RematError as e:
             print(f"remat@{peer['variant']}: {e}", flush=True)
             continue
-        planned = remat.apply(m, plan, example)
+        planned = remat.apply(m, plan, example, loss_fn)
         record(f"remat@{peer['variant']}", "remat", m, lambda batch, planned=planned: planned(*batch),
                note=f"{plan.solver.get('status')}, predicted {plan.predicted['overhead']:.3f}x",
                predicted=plan.predicted["peak_bytes"])
