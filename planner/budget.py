@@ -100,6 +100,17 @@ def parse_budget(value: "str | int", graph: "Graph | None" = None) -> int:
     return n
 
 
+def parse_memory(value: "str | int") -> int:
+    """A device's memory in bytes (``--memory``, `remat.capacity`): what `parse_budget` reads, but
+    not a ratio (there is no graph to be relative to); errors name ``--memory``."""
+    if is_relative(value):
+        raise InvalidInputError(f"--memory: give a size such as 24GiB, not a ratio ({value!r})")
+    try:
+        return parse_budget(value)
+    except InvalidInputError as e:
+        raise InvalidInputError(str(e).replace("--budget:", "--memory:", 1)) from None
+
+
 def is_relative(value: "str | int") -> bool:
     return isinstance(value, str) and value.strip().lower().endswith("x")
 

@@ -268,15 +268,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from .budget import is_relative, parse_budget
-    if is_relative(args.memory):
-        raise InvalidInputError(f"--memory: give a size such as 24GiB, not a ratio ({args.memory!r})")
-    try:
-        args.memory_bytes = parse_budget(args.memory)
-    except InvalidInputError as e:
-        raise InvalidInputError(str(e).replace("--budget:", "--memory:", 1)) from None
-    if args.seq and args.input_shape:
-        raise InvalidInputError("--seq: the sequence length is what capacity varies; drop --input-shape")
+    from .budget import parse_memory
+    args.memory_bytes = parse_memory(args.memory)
     _write(args.output, lambda p: None)
     from .model_commands import run_capacity  # imports torch
     return run_capacity(args, solver_options(args), trace_options(args))

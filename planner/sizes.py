@@ -241,6 +241,17 @@ class Prober:
         return Probe(size, status, keep, p.predicted["overhead"], p.predicted["peak_bytes"], p)
 
 
+def _bisect(holds: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest size in [lo, hi) where `holds`, given holds(lo) (or lo == 0) and not holds(hi)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def largest(holds: Callable[[int], bool], start: int, max_size: int = MAX_SIZE) -> tuple[int, bool]:
     """(the largest size in 1..max_size where `holds`, assuming it holds up to some size and not
     above; whether the search reached max_size).  Doubles from `start`, then bisects."""
@@ -253,14 +264,7 @@ def largest(holds: Callable[[int], bool], start: int, max_size: int = MAX_SIZE) 
         if lo == max_size or holds(max_size):
             return max_size, True
         s = max_size
-    hi = s  # holds(lo), not holds(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if holds(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, False
+    return _bisect(holds, lo, s), False
 
 
 def largest_near(holds: Callable[[int], bool], guess: int, max_size: int = MAX_SIZE) -> int:
@@ -293,13 +297,7 @@ def largest_near(holds: Callable[[int], bool], guess: int, max_size: int = MAX_S
                 lo = s
                 break
             hi, step = s, step * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if holds(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _bisect(holds, lo, hi)
 
 
 def search(family: GraphFamily, memory: int, levels: Iterable[float] = (1.0, 1.1, 1.3), *, swap: bool = False,

@@ -147,33 +147,39 @@ def _peers(make: Callable, sizes: Sequence[int], dim: str, family: GraphFamily, 
            device: torch.device, to_none: bool, max_size: int) -> list[PeerAnswer]:
     extra = int(family.graphs[sizes[0]].meta.get("fixed_breakdown", {}).get("optimizer", 0))  # declared state
     out = []
+    blocks: list[str] = []  # the blocks to checkpoint, from plain autograd's first model
     for name in ("plain autograd", "checkpoint every block"):
         peer = PeerAnswer(name, None)
-        for s in sizes:
+        plain = name == "plain autograd"
+
+        def build(s: int, plain: bool = plain) -> tuple[torch.nn.Module, Any]:
             model, inputs = _built(make, s, dim)
-            if name != "plain autograd":
-                if not block_names(model):
-                    peer.reason = "no repeated blocks to checkpoint"
-                    break
-                model = checkpoint_every_block(model)
+            if plain:
+                blocks[:] = blocks or block_names(model)
+                return model, inputs
+            return checkpoint_every_block(model, blocks), inputs
+        if not plain and not blocks:
+            peer.reason = "no repeated blocks to checkpoint"
+            out.append(peer)
+            continue
+        for s in sizes:
+            model, inputs = build(s)
             peak, seconds = _step(model, inputs, loss_fn, device, to_none)
             peer.peaks[s], peer.times[s] = peak + extra, seconds
-        if not peer.reason:  # the peaks' fit guesses; measured steps decide
-            coef = fit_polynomial(list(peer.peaks), list(peer.peaks.values()), family.degree)
-            guess, _ = largest(lambda s: polynomial_value(coef, s) <= memory, max(sizes), max_size)
+        # the peaks' fit guesses; measured steps decide
+        coef = fit_polynomial(list(peer.peaks), list(peer.peaks.values()), family.degree)
+        guess, _ = largest(lambda s: polynomial_value(coef, s) <= memory, max(sizes), max_size)
 
-            def fits(s: int, name: str = name) -> bool:
-                if s not in peer.peaks:
-                    model, inputs = _built(make, s, dim)
-                    if name != "plain autograd":
-                        model = checkpoint_every_block(model)
-                    try:
-                        peer.peaks[s] = _step(model, inputs, loss_fn, device, to_none, steps=1)[0] + extra
-                    except torch.OutOfMemoryError:  # (a real device's memory ran out first)
-                        peer.peaks[s] = None
-                    del model, inputs
-                return peer.peaks[s] is not None and peer.peaks[s] <= memory
-            peer.size = largest_near(fits, max(guess, 1), max_size)
+        def fits(s: int) -> bool:
+            if s not in peer.peaks:
+                model, inputs = build(s)
+                try:
+                    peer.peaks[s] = _step(model, inputs, loss_fn, device, to_none, steps=1)[0] + extra
+                except torch.OutOfMemoryError:  # (a real device's memory ran out first)
+                    peer.peaks[s] = None
+                del model, inputs
+            return peer.peaks[s] is not None and peer.peaks[s] <= memory
+        peer.size = largest_near(fits, max(guess, 1), max_size)
         out.append(peer)
     return out
 
@@ -192,15 +198,13 @@ def capacity(make: Callable[[int], Any], memory: "str | int", *, dim: str = "bat
     as each size is decided; `verify_steps` planned steps are measured with `verify`.  Raises `InvalidInputError` for a memory below what size 1 holds
     before any activation, a model whose inputs do not change with the size, or sizes that trace
     to different graphs."""
-    from .budget import is_relative, parse_budget
+    from .budget import parse_memory
     from .planning import default_swap
-    if is_relative(memory):
-        raise InvalidInputError(f"--memory: give a size such as 24GiB, not a ratio ({memory!r})")
-    memory = parse_budget(memory)
+    memory = parse_memory(memory)
     levels = levels_for(max_overhead)
-    sizes = sorted({int(s) for s in (sizes or DEFAULT_SIZES.get(dim, ()))})
     if dim not in DEFAULT_SIZES:
         raise InvalidInputError(f"dim: expected one of {tuple(DEFAULT_SIZES)}, got {dim!r}")
+    sizes = sorted({int(s) for s in (sizes or DEFAULT_SIZES[dim])})
     if len(sizes) < 2 or sizes[0] < 1:
         raise InvalidInputError(f"--sizes: give two or more sizes >= 1 to trace at, got {list(sizes)}")
     loss_fn = loss_fn or default_loss
