@@ -1,8 +1,9 @@
 """remat against checkpointing every block by hand, in PyTorch's default training loop (CPU).
 
 For each case: plain autograd, `torch.utils.checkpoint` (non-reentrant) on every residual block
-(every zoo `Block` / `BasicBlock` / `Bottleneck`), and remat's plans from a module-level trace
-(gradients allocated at their first accumulation, as `zero_grad()` leaves them) at two budgets:
+(every zoo `Block` / `BasicBlock` / `Bottleneck`), and remat's plans from a module-level or, with
+``--granularity joint``, op-level trace (gradients allocated at their first accumulation, as
+`zero_grad()` leaves them; an op's output tensors freed one by one) at two budgets:
 the peak checkpoint-every-block measured, and the smallest one the planner finds (what
 `remat.plan` names when asked for what every schedule must hold, `analysis.forced_need`).  Every step is
 measured side by side in this one run (`remat.measure`: exact storage accounting on the CPU; the
@@ -12,6 +13,7 @@ checkpointing's at the same peak.
 
     python benchmarks/vs_checkpoint.py                 # GPT-2 (zoo, 4 layers, batch 16, seq 256), ResNet-50 (batch 8, 64 px)
     python benchmarks/vs_checkpoint.py --cases gpt2 --steps 5
+    python benchmarks/vs_checkpoint.py --granularity joint --out benchmarks/out/vs_checkpoint_joint.csv
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from csvout import write_csv  # noqa: E402
+from csvout import steady_malloc, write_csv  # noqa: E402
 from gpu_check import time_steps  # noqa: E402  (the same loop)
 
 import remat  # noqa: E402
@@ -38,20 +40,20 @@ CASES = {
     "gpt2": ("gpt2", {"batch": 16, "seq_len": 256, "n_layer": 4}, 3),
     "resnet50": ("resnet50", {"batch": 8, "image_size": 64}, 2),
 }
-COLUMNS = ("case", "nodes", "plain_peak", "plain_s", "ckpt_peak", "ckpt_s", "at_ckpt_peak", "at_ckpt_s",
+COLUMNS = ("case", "granularity", "nodes", "plain_peak", "plain_s", "ckpt_peak", "ckpt_s", "at_ckpt_peak", "at_ckpt_s",
            "at_ckpt_predicted_peak", "at_ckpt_predicted_overhead", "tightest_peak", "tightest_s",
            "tightest_predicted_peak", "tightest_over_ckpt_peak", "at_ckpt_over_ckpt_time")
 
 
-def run_case(case: str, steps: int, time_limit: float) -> dict:
+def run_case(case: str, steps: int, time_limit: float, granularity: str = "module") -> dict:
     name, kw, depth = CASES[case]
     model, example = zoo.get(name, **kw)
     example = example if isinstance(example, tuple) else (example,)
     dev = torch.device("cpu")
     plain_s, plain_peak = time_steps(model, example, dev, steps, set_to_none=True)
     ckpt_s, ckpt_peak = time_steps(checkpoint_every_block(model), example, dev, steps, set_to_none=True)
-    graph = remat.trace(model, example, depth=depth, name=case, granularity="module")
-    row = {"case": case, "nodes": graph.n, "plain_peak": plain_peak, "plain_s": plain_s, "ckpt_peak": ckpt_peak,
+    graph = remat.trace(model, example, depth=depth, name=case, granularity=granularity)
+    row = {"case": case, "granularity": granularity, "nodes": graph.n, "plain_peak": plain_peak, "plain_s": plain_s, "ckpt_peak": ckpt_peak,
            "ckpt_s": ckpt_s}
     plans = {"at_ckpt": remat.plan(graph, ckpt_peak, swap=False, time_limit=time_limit)}
     try:  # the smallest budget the planner finds, as a user asking for too little is told
@@ -69,7 +71,7 @@ def run_case(case: str, steps: int, time_limit: float) -> dict:
     row["tightest_over_ckpt_peak"] = row["tightest_peak"] / ckpt_peak
     row["at_ckpt_over_ckpt_time"] = row["at_ckpt_s"] / ckpt_s
     mib = 2 ** 20
-    print(f"{case}: {graph.n} nodes; plain {plain_peak / mib:.1f} MiB {plain_s * 1e3:.0f} ms; checkpoint every block "
+    print(f"{case} ({granularity}): {graph.n} nodes; plain {plain_peak / mib:.1f} MiB {plain_s * 1e3:.0f} ms; checkpoint every block "
           f"{ckpt_peak / mib:.1f} MiB ({ckpt_peak / plain_peak:.2f}x) {ckpt_s / plain_s:.2f}x time; remat at that peak "
           f"{row['at_ckpt_peak'] / mib:.1f} MiB {row['at_ckpt_s'] / plain_s:.2f}x time (predicted "
           f"{row['at_ckpt_predicted_overhead']:.2f}x); remat tightest {row['tightest_peak'] / mib:.1f} MiB = "
@@ -84,11 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--granularity", choices=("module", "joint"), default="module")
     ap.add_argument("--out", default="benchmarks/out/vs_checkpoint.csv")
     args = ap.parse_args(argv)
+    steady_malloc()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [run_case(c.strip(), args.steps, args.time_limit) for c in args.cases.split(",") if c.strip()]
+    rows = [run_case(c.strip(), args.steps, args.time_limit, args.granularity) for c in args.cases.split(",")
+            if c.strip()]
     write_csv(args.out, COLUMNS, rows)
     return 0
 

@@ -8,14 +8,26 @@ A `Graph` is a DAG of forward, loss and backward nodes whose ids are a topologic
 * ``workspace_bytes``: transient bytes that live only while it runs;
 * ``persistent_bytes``: bytes it allocates at its first run that stay allocated to the end of
   the step: the parameter gradients it accumulates first (PyTorch's default loop,
-  ``zero_grad(set_to_none=True)``, allocates each gradient there).
+  ``zero_grad(set_to_none=True)``, allocates each gradient there);
+* ``part_of``: set on the second and later *parts* of an op with several output tensors.
+
+Ops with several outputs (batch norm's output and statistics, max pool's values and indices,
+dropout's output and mask) are one node per output tensor, so each tensor is freed at its own
+last use.  The op is its first node, the *leader* l, which carries the op's time and the bytes
+of its first output; its other outputs are the nodes l+1, ..., l+m-1 (``part_of = l``), each
+with the bytes of its tensor, time 0, no workspace or persistent bytes, and one input, the
+leader (the edge (l, p)).  The leader's workspace includes the other parts' bytes, so that the
+op's peak (every output allocated at once) is counted while it runs.  The parts of an op are
+computed together: each compute of a part follows the compute of the part before it, with no
+other compute or swap-in in between (`remat.core.simulate` checks it), so the bytes the model
+counts at the last part are the ones the op really holds.  `Graph.op_members` lists them.
 
 ``fixed_bytes`` is memory resident for the whole step (parameters, inputs, optimizer state, and
 the gradients when the loop keeps them, ``meta["grads"] == "resident"``); no schedule can remove
 it and every budget includes it.  A breakdown of it may sit in ``meta["fixed_breakdown"]``.
 
-JSON format (``remat.graph``; version 2 when a node has ``persistent_bytes``, else 1, so a graph
-without them reads as before; both versions load)::
+JSON format (``remat.graph``; version 3 when a node has ``part_of``, else 2 when a node has
+``persistent_bytes``, else 1, so a graph without them reads as before; all three load)::
 
     {"format": "remat.graph", "version": 1,
      "nodes": [{"id": 0, "name": "fc1", "kind": "forward", "time": 1e-3, "bytes": 4096,
@@ -37,8 +49,8 @@ from typing import Any, Iterable
 from .errors import InvalidInputError
 
 FORMAT = "remat.graph"
-VERSION = 2
-VERSIONS = (1, 2)  # what this remat reads (1: no persistent bytes)
+VERSION = 3
+VERSIONS = (1, 2, 3)  # what this remat reads (1: no persistent bytes; 2: no parts)
 KINDS = ("forward", "loss", "backward")
 DEFAULT_BANDWIDTH = 16e9  # bytes/s, host<->device, until a frontend measures it
 
@@ -53,12 +65,15 @@ class Node:
     workspace_bytes: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     persistent_bytes: int = 0
+    part_of: int | None = None
 
     def to_dict(self) -> dict:
         d = {"id": self.id, "name": self.name, "kind": self.kind, "time": self.time,
              "bytes": self.bytes, "workspace_bytes": self.workspace_bytes}
         if self.persistent_bytes:  # (absent when 0: a graph without them hashes and reads as before)
             d["persistent_bytes"] = self.persistent_bytes
+        if self.part_of is not None:
+            d["part_of"] = self.part_of
         d.update(self.extra)
         return d
 
@@ -105,6 +120,28 @@ class Graph:
             out.append(acc)
             acc += v.persistent_bytes
         return out
+
+    @cached_property
+    def op_of(self) -> list[int]:
+        """Per node: the leader of its op (itself unless it is a later part)."""
+        return [v.id if v.part_of is None else v.part_of for v in self.nodes]
+
+    @cached_property
+    def op_members(self) -> dict[int, list[int]]:
+        """Leader -> the nodes of its op (leader first), for the ops with several parts."""
+        out: dict[int, list[int]] = {}
+        for v in self.nodes:
+            if v.part_of is not None:
+                out.setdefault(v.part_of, [v.part_of]).append(v.id)
+        return out
+
+    @property
+    def has_parts(self) -> bool:
+        return bool(self.op_members)
+
+    def members_of(self, i: int) -> list[int]:
+        """The nodes of i's op (leader first): [i] for a node with one output."""
+        return self.op_members.get(self.op_of[i], [i])
 
     @property
     def persistent_total(self) -> int:
@@ -172,6 +209,26 @@ class Graph:
                                     "topological order (renumber the nodes)")
         if self.fixed_bytes < 0:
             raise InvalidInputError(f"graph.fixed_bytes: must be >= 0, got {self.fixed_bytes}")
+        self._validate_parts()
+
+    def _validate_parts(self) -> None:
+        for v in self.nodes:
+            if v.part_of is None:
+                continue
+            where = f"graph.nodes[{v.id}] ({v.name!r}).part_of"
+            l = v.part_of
+            if not isinstance(l, int) or isinstance(l, bool) or not 0 <= l < v.id:
+                raise InvalidInputError(f"{where}: must be the id of an earlier node (the op's leader), got {l!r}")
+            prev = self.nodes[v.id - 1]
+            if self.nodes[l].part_of is not None or (prev.id != l and prev.part_of != l):
+                raise InvalidInputError(f"{where}: the parts of op {l} must be the nodes right after it, "
+                                        f"each with part_of = {l}")
+            if v.kind != self.nodes[l].kind or v.time != 0 or v.workspace_bytes or v.persistent_bytes:
+                raise InvalidInputError(f"{where}: a later part has its leader's kind, time 0 and no workspace "
+                                        "or persistent bytes (the leader carries the op's)")
+            if self.preds[v.id] != [l]:
+                raise InvalidInputError(f"{where}: a later part reads its leader only (edge [{l}, {v.id}]), "
+                                        f"got inputs {self.preds[v.id]}")
 
     def _find_cycle(self) -> list[int] | None:
         import networkx as nx
@@ -183,7 +240,8 @@ class Graph:
 
     # ---- serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "version": VERSION if self.persistent_total else 1,
+        version = 3 if self.has_parts else 2 if self.persistent_total else 1
+        return {"format": FORMAT, "version": version,
                 "nodes": [v.to_dict() for v in self.nodes],
                 "edges": [list(e) for e in self.edges],
                 "fixed_bytes": self.fixed_bytes, "meta": self.meta}
@@ -208,13 +266,16 @@ class Graph:
                 if key not in nd:
                     raise InvalidInputError(f"graph.nodes[{idx}].{key}: missing")
             extra = {k: v for k, v in nd.items()
-                     if k not in ("id", "name", "kind", "time", "bytes", "workspace_bytes", "persistent_bytes")}
+                     if k not in ("id", "name", "kind", "time", "bytes", "workspace_bytes", "persistent_bytes",
+                                  "part_of")}
             if d["version"] == 1 and "persistent_bytes" in nd:
                 raise InvalidInputError(f"graph.nodes[{idx}].persistent_bytes: not in version 1; write version 2")
+            if d["version"] < 3 and "part_of" in nd:
+                raise InvalidInputError(f"graph.nodes[{idx}].part_of: not in version {d['version']}; write version 3")
             nodes.append(Node(id=nd["id"], name=str(nd.get("name", f"n{nd['id']}")), kind=nd["kind"],
                               time=nd["time"], bytes=nd["bytes"],
                               workspace_bytes=nd.get("workspace_bytes", 0), extra=extra,
-                              persistent_bytes=nd.get("persistent_bytes", 0)))
+                              persistent_bytes=nd.get("persistent_bytes", 0), part_of=nd.get("part_of")))
         edges = []
         for idx, e in enumerate(d["edges"]):
             if not (isinstance(e, (list, tuple)) and len(e) == 2 and all(isinstance(x, int) for x in e)):

@@ -84,7 +84,12 @@ class Schedule:
         S = [set(keep[t]) if t < len(keep) else set() for t in range(T)]
         SO = [set(swap_out[t]) for t in range(T)] if swap_out else [set() for _ in range(T)]
         SI = [set(swap_in[t]) for t in range(T)] if swap_in else [set() for _ in range(T)]
+        if graph.has_parts:
+            hold_through_parts(graph, S, SI)
         R = solve_r_opt(graph, S, SI)
+        if graph.has_parts:  # (a kept part of an op the stage recomputes is recomputed with it instead)
+            for t in range(T):
+                S[t] -= R[t]
         return cls.from_stages(graph, [Stage(sorted(R[t]), sorted(S[t]), sorted(SO[t]), sorted(SI[t]))
                                        for t in range(T)])
 
@@ -168,19 +173,41 @@ def solve_r_opt(graph: Graph, S: Sequence[set[int]], SI: Sequence[set[int]] | No
             need |= {i for i in S[t + 1] if i not in S[t] and i not in SI[t]}
         r: set[int] = set()
         for v in sorted(need, reverse=True):
-            _add_with_deps(graph, v, S[t], r)
+            _add_with_deps(graph, v, S[t], r, t)
         R.append(r)
     return R
 
 
-def _add_with_deps(graph: Graph, v: int, resident: set[int], r: set[int]) -> None:
+def _add_with_deps(graph: Graph, v: int, resident: set[int], r: set[int], t: int) -> None:
+    """Add v and, transitively, its inputs not resident to r (stage t's computes); a node of an op
+    with several parts that stage t recomputes brings all the op's parts (`Graph.op_members`)."""
     stack = [v]
+    members = graph.op_members
+    op_of = graph.op_of
     while stack:
         x = stack.pop()
         if x in r:
             continue
         r.add(x)
+        op = members.get(op_of[x])
+        if op is not None and op[-1] < t:
+            stack.extend(m for m in op if m not in r)
         stack.extend(u for u in graph.preds[x] if u not in resident and u not in r)
+
+
+def hold_through_parts(graph: Graph, S: list[set[int]], SI: list[set[int]]) -> None:
+    """Make S and SI follow the parts rule in the stages of an op's later parts (in place): those
+    stages compute their part only, so what stage p+1 holds (but p itself) is held at p's start,
+    the leader is held through them, and their swap-ins are issued in the leader's stage."""
+    T = graph.n
+    for lead, op in graph.op_members.items():
+        for p in reversed(op[1:]):
+            if SI[p]:
+                SI[lead] |= SI[p]
+                SI[p] = set()
+            if p + 1 < T:
+                S[p] |= S[p + 1] - {p}
+            S[p].add(lead)
 
 
 def ops_from_stages(graph: Graph, stages: Sequence[Stage],

@@ -18,7 +18,13 @@ backward node that allocates its parameter gradients while autograd frees the te
 (a module's backward) is counted as it runs.  ``free i`` releases i's device bytes (it must not race an in-flight transfer of
 i: ``wait i`` first).  ``swap_out i`` copies a resident i to the host (its device copy stays
 until a ``free i``).  ``swap_in i`` copies a host copy back, allocating the device bytes when it
-is issued.  ``wait i`` blocks the compute stream until i's last transfer is done.
+is issued.  ``wait i`` blocks the compute stream until i's last transfer is done.  The parts of an op with
+several outputs (`remat.core.graph`) are computed together: a later part's compute must follow
+the compute of the part before it, and no other compute and no swap-in may come between the
+leader's compute and its last part's (only frees, waits and swap-outs, which allocate nothing):
+the op really allocates all its outputs when the leader runs, and the model counts them at the
+leader's compute (its workspace) and from each part's compute on, which is the same peak only
+when nothing else allocates in between.
 
 Device bytes = fixed bytes + resident outputs + the persistent bytes counted so far (+ workspace
 of the running node); the peak is taken over every op and the step's end.  Host bytes count the host copies made by swap-outs.  Total time is when
@@ -96,7 +102,7 @@ class SimState:
 
     __slots__ = ("graph", "bandwidth", "check", "origin", "on_host", "xfer_end", "swap_in_end", "clock", "xclock",
                  "live", "during", "peak", "host", "host_peak", "compute_time", "transfer_time", "counts",
-                 "bytes_by_origin", "last_start", "last_end", "pending", "_nodes", "_preds")
+                 "bytes_by_origin", "last_start", "last_end", "pending", "expect", "_nodes", "_preds", "_parts")
 
     def __init__(self, graph: Graph, bandwidth: float | None = None, *, resident: Iterable[int] = (),
                  computed: Iterable[int] = (), live_bytes: int | None = None, check: bool = True):
@@ -112,6 +118,9 @@ class SimState:
         self.xclock = 0.0
         self.counts: dict[int, int] = {v: 1 for v in computed}
         self.pending = 0  # persistent bytes of the last first compute, counted from the next allocation
+        # the part of an op that must be computed next (-1: none); checked only with `check`
+        self.expect = -1
+        self._parts = [v.part_of for v in graph.nodes] if graph.has_parts else None
         persistent = sum(self._nodes[v].persistent_bytes for v in self.counts)
         resident_bytes = sum(self._nodes[v].bytes for v in self.origin)
         self.live = resident_bytes + persistent if live_bytes is None else int(live_bytes)
@@ -182,6 +191,11 @@ class SimState:
                     return f"input {self._name(u)} of node {self._name(i)} is needed but {where}"
             if i in origin:
                 return f"node {self._name(i)} is computed while its output is already resident"
+            parts = self._parts
+            if parts is not None:
+                message = self._part_rule(i, parts)
+                if message is not None:
+                    return message
         clock = self.clock
         pending = self.swap_in_end
         if pending:
@@ -208,6 +222,19 @@ class SimState:
         self.during = during
         if during > self.peak:
             self.peak = during
+        return None
+
+    def _part_rule(self, i: int, parts: list) -> str | None:
+        """The parts rule (module docstring) for a compute of i; advances `expect`."""
+        e = self.expect
+        if e >= 0 and i != e:
+            return (f"node {self._name(i)} is computed between the parts of op {self._name(parts[e])}: its part "
+                    f"{self._name(e)} must come next (an op makes all its outputs at once)")
+        if e < 0 and parts[i] is not None:
+            return (f"part {self._name(i)} of op {self._name(parts[i])} is computed without the op "
+                    "(an op's parts are computed together, leader first)")
+        nxt = i + 1
+        self.expect = nxt if nxt < len(parts) and parts[nxt] is not None else -1
         return None
 
     def free(self, i: int) -> str | None:
@@ -255,6 +282,9 @@ class SimState:
                 return f"swap_in of node {self._name(i)}, which has no host copy (swap it out first)"
             if i in self.origin:
                 return f"swap_in of node {self._name(i)}, which is already resident"
+            if self.expect >= 0:
+                return (f"swap_in of node {self._name(i)} between the parts of op "
+                        f"{self._name(self._parts[self.expect])} (compute part {self._name(self.expect)} first)")
         if self.pending:
             self.settle()
         self._issue_transfer(i)
@@ -301,6 +331,10 @@ def simulate(graph: Graph, schedule: Schedule | list[Op], bandwidth: float | Non
                        "start": state.last_start, "end": state.last_end})
     state.settle()
     counts = [state.counts.get(i, 0) for i in range(graph.n)]
+    if violation is None and state.expect >= 0:
+        e = state.expect
+        violation = Violation(len(ops), None, f"the step ends before part {e} ({graph.nodes[e].name}) of op "
+                              f"{graph.nodes[e].part_of} is computed")
     if violation is None:
         never = [i for i in range(graph.n) if counts[i] == 0]
         if never:

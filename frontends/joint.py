@@ -268,6 +268,9 @@ class JointProgram:
     random: list
     seed: "fx.Node | None"
     seed_members: list        # members of the loss group computed from the seed (rerun for a grad != 1)
+    part_of: list = field(default_factory=list)  # per group: its op's leader group when a later part, else None
+    parts: list = field(default_factory=list)    # per group: the later parts of its op (leaders only)
+    op_members: list = field(default_factory=list)  # per group: the fx nodes its op runs (leader and parts)
 
     @property
     def loss_id(self) -> int:
@@ -283,13 +286,15 @@ class JointProgram:
             members: list | None = None) -> dict:
         """Run node g's ops (or only `members`) on values from `lookup` (other nodes' kept values,
         statics); members already in `start` are not run.  Returns {fx node: value} for
-        ``keep[g]`` and the sink values; everything else is dropped as soon as it is not needed."""
+        ``keep[g]`` and the sink values; everything else is dropped as soon as it is not needed.
+        For the leader of an op with parts it runs the whole op: `take_parts` then moves the
+        parts' values out."""
         local: dict = dict(start or {})
         rel = self.release[g]
 
         def get(x: fx.Node) -> Any:
             return local[x] if x in local else lookup(x)
-        for n in (self.groups[g] if members is None else members):
+        for n in (self.op_members[g] if members is None else members):
             if n in local:
                 continue
             local[n] = n.target(*fx.node.map_arg(n.args, get), **fx.node.map_arg(n.kwargs, get))
@@ -298,8 +303,28 @@ class JointProgram:
         return local
 
 
-def build_program(cap: JointCapture, groups: list, static: list, order_kinds: list | None = None) -> JointProgram:
-    """The `JointProgram` of `groups` (fx nodes per graph node, in node order) and `static`."""
+    def op_keep(self, g: int) -> set:
+        """The values leader g's run keeps: its own and its parts' (`keep`)."""
+        return set(self.keep[g]).union(*(self.keep[p] for p in self.parts[g]))
+
+    def take_parts(self, g: int, local: dict) -> dict:
+        """{later part: its kept values}, popped from `local` (what `run` returned for leader g)."""
+        return {p: {x: local.pop(x) for x in self.keep[p] if x in local} for p in self.parts[g]}
+
+
+def build_program(cap: JointCapture, groups: list, static: list, order_kinds: list | None = None,
+                  part_of: list | None = None) -> JointProgram:
+    """The `JointProgram` of `groups` (fx nodes per graph node, in node order) and `static`;
+    `part_of[g]`: the leader group of a later part of an op with several outputs, else None."""
+    part_of = list(part_of) if part_of is not None else [None] * len(groups)
+    op_of = [g if l is None else l for g, l in enumerate(part_of)]
+    parts: list = [[] for _ in groups]
+    for g, l in enumerate(part_of):
+        if l is not None:
+            parts[l].append(g)
+    order = {n: i for i, n in enumerate(cap.gm.graph.nodes)}
+    op_members = [sorted(m + [n for p in parts[g] for n in groups[p]], key=order.__getitem__) if l is None else list(m)
+                  for g, (m, l) in enumerate(zip(groups, part_of))]
     group_of: dict = {n: STATIC for n in cap.placeholders}
     for n in static:
         group_of[n] = STATIC
@@ -318,15 +343,27 @@ def build_program(cap: JointCapture, groups: list, static: list, order_kinds: li
                 p = group_of[i]
                 if p != STATIC and p != g and p not in ps:
                     ps.append(p)
-                if p != STATIC and p > g and i not in mine:
+                if p != STATIC and p > g and i not in mine and op_of[p] != g:
                     raise InvalidInputError(f"joint graph: node {g} reads {i.name} of a later node {p}; re-trace")
         preds.append(sorted(ps))
-        kept = [n for n in members if n is cap.loss or any(group_of[u] != g for u in n.users if u.op != "output")]
+        # kept: read by another op (a leader's value its own parts read is not kept: the op runs whole)
+        kept = [n for n in members if n is cap.loss or any(op_of[group_of[u]] != op_of[g]
+                                                          for u in n.users if u.op != "output")]
         sink = [(n, "grad", fqn) for n in members for fqn in cap.param_grads.get(n, [])]
         sink += [(n, "buffer", fqn) for n in members for fqn in cap.buffer_updates.get(n, [])]
         keep.append(kept)
         sinks.append(sink)
-        held = set(kept) | {n for n, _, _ in sink}
+    for g, l in enumerate(part_of):  # (the leader's run applies its op's sinks)
+        if l is not None:
+            sinks[l] = sinks[l] + sinks[g]
+            sinks[g] = []
+    for g, members in enumerate(op_members):
+        if part_of[g] is not None:
+            release.append({})
+            random.append(False)
+            continue
+        mine = set(members)
+        held = {n for h in [g] + parts[g] for n in keep[h]} | {n for n, _, _ in sinks[g]}
         last: dict = {}
         for n in members:
             for i in n.all_input_nodes:
@@ -350,7 +387,7 @@ def build_program(cap: JointCapture, groups: list, static: list, order_kinds: li
                 dep.add(n)
                 seed_members.append(n)
     return JointProgram(cap, groups, list(static), kinds, group_of, preds, keep, sinks, release, random, seed,
-                        seed_members)
+                        seed_members, part_of, parts, op_members)
 
 
 def _is_seed(n: fx.Node, loss: fx.Node) -> bool:
@@ -388,6 +425,7 @@ def discover_groups(cap: JointCapture, const: dict) -> tuple[list, list, list]:
     env = dict(const)
     group_of: dict = {n: STATIC for n in const}
     owner: dict = {}              # storage uid -> group
+    storage_of: dict = {}         # a non-allocating op whose tensors are views of one storage -> its uid
     groups: list = []             # in fx order of their first op
     static: list = []
     with torch.no_grad(), tracker:
@@ -407,6 +445,9 @@ def discover_groups(cap: JointCapture, const: dict) -> tuple[list, list, list]:
                     owner[uid] = g
             else:
                 tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                uids = {tracker.uid(t) for t in tensors}
+                if len(uids) == 1 and None not in uids:
+                    storage_of[n] = next(iter(uids))
                 owners = {owner.get(tracker.uid(t), STATIC) for t in tensors} - {STATIC}
                 if not owners and not ins:
                     g = STATIC
@@ -445,7 +486,39 @@ def discover_groups(cap: JointCapture, const: dict) -> tuple[list, list, list]:
     kinds = _kinds(cap, groups, group_of, preds)
     order = ([g for g, k in enumerate(kinds) if k == "forward"] + [kinds.index("loss")]
              + [g for g, k in enumerate(kinds) if k == "backward"])
-    return [groups[g] for g in order], static, [kinds[g] for g in order]
+    out_groups, out_kinds, part_of = [], [], []
+    for g in order:
+        lead = len(out_groups)
+        parts = split_outputs(groups[g], group_of, storage_of) if kinds[g] != "loss" else [groups[g]]
+        for j, members in enumerate(parts):
+            out_groups.append(members)
+            out_kinds.append(kinds[g])
+            part_of.append(lead if j else None)
+    return out_groups, static, out_kinds, part_of
+
+
+def split_outputs(members: list, group_of: dict, storage_of: dict) -> list:
+    """A node's fx ops cut into the parts of an op with several outputs (`remat.core.graph`): one
+    part per storage that other nodes read, the first with the allocating op (the leader).  A
+    member goes to a part when its value is a view of that one storage and it reads only the
+    leader's ops or its part's; everything else (and storages nobody else reads) stays with the
+    leader.  One storage read elsewhere: no parts."""
+    g = group_of[members[0]]
+    outside = {n for n in members if any(group_of.get(u) != g for u in n.users if u.op != "output")}
+    buckets: dict = {}
+    for n in members[1:]:
+        uid = storage_of.get(n)
+        if uid is not None and (n in outside or uid in buckets):
+            buckets.setdefault(uid, []).append(n)
+    read = [uid for uid, ms in buckets.items() if any(n in outside for n in ms)]
+    if len(read) < 2:
+        return [members]
+    moved = {n: uid for uid in read[1:] for n in buckets[uid]}
+    for n, uid in list(moved.items()):
+        if any(i in moved and moved[i] != uid or (i not in moved and group_of.get(i) == g and i is not members[0])
+               for i in n.all_input_nodes if group_of.get(i) == g):
+            return [members]  # (a part would read another part, or a leader op other than the allocating one)
+    return [[n for n in members if n not in moved]] + [[n for n in buckets[uid]] for uid in read[1:]]
 
 
 # ---- pass 2 and 3: bytes, workspace, flops, time --------------------------------------------------
@@ -466,6 +539,15 @@ def _last_consumer(prog: JointProgram) -> list:
         for p in ps:
             last[p] = max(last[p], g)
     return last
+
+
+def distinct_storage_bytes(values) -> int:
+    """Bytes of the distinct storages of the tensors among `values`."""
+    seen: dict = {}
+    for t in values:
+        if isinstance(t, torch.Tensor):
+            seen[storage_key(t)] = storage_bytes(t)
+    return sum(seen.values())
 
 
 def steals_gradient(value: torch.Tensor, param: torch.Tensor, stealable: bool) -> bool:
@@ -499,9 +581,18 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
         g = prog.group_of[x]
         return const[x] if g == STATIC else values[g][x]
 
+    stash: dict = {}  # later parts' values, made by their op's leader
+
+    def run_node(g: int) -> dict:
+        if prog.part_of[g] is not None:
+            return stash.pop(g)
+        local = prog.run(g, lookup)
+        stash.update(prog.take_parts(g, local))
+        return local
+
     def run_groups(groups: range) -> None:
         for g in groups:
-            values[g] = prog.run(g, lookup)
+            values[g] = run_node(g)
             for f in frees[g]:
                 values.pop(f, None)
     if device.type == "cuda":
@@ -514,11 +605,19 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
         values.clear()
     with torch.no_grad(), tracker:
         for g in range(n):
+            if prog.part_of[g] is not None:  # (its op ran at the leader; its bytes are its tensors')
+                values[g] = stash.pop(g)
+                profs[g].bytes = distinct_storage_bytes(values[g].values())
+                for f in frees[g]:
+                    values.pop(f, None)
+                continue
             m0 = tracker.mark()
             counter = FlopCounterMode(display=False) if flops else None
             with (counter or nullcontext()), AllocatorWindow(device) as alloc:
                 local = prog.run(g, lookup)
+                stash.update(prog.take_parts(g, local))
             stolen: dict = {}
+            op_keep = prog.op_keep(g)
             for node, what, fqn in prog.sinks[g]:  # to .grad or a buffer at once (not applied here)
                 if what == "grad" and storage_key(params[fqn]) not in accumulated:
                     # (a parameter's first gradient; a tied one's later gradients add into it)
@@ -526,19 +625,19 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
                     accumulated.add(storage_key(param))
                     p = profs[g]
                     p.grad_bytes += storage_bytes(param)
-                    if steals_gradient(value, param, node not in prog.keep[g]) and tracker.uid(value) is not None:
+                    if steals_gradient(value, param, node not in op_keep) and tracker.uid(value) is not None:
                         stolen[storage_key(value)] = storage_bytes(value)
                     del value  # (held here, it would count as the node's bytes)
-                if node not in prog.keep[g]:
+                if node not in op_keep:
                     local.pop(node, None)
             profs[g].grad_stolen = sum(stolen.values())
             values[g] = local
             kept = sum(tracker.new_live(m0).values())
             p = profs[g]
-            p.bytes = kept
+            p.bytes = kept - sum(distinct_storage_bytes(stash[q].values()) for q in prog.parts[g])
             # on CUDA also what kernels allocate internally (cuDNN's workspaces, say)
             visible = tracker.peak_between(m0)
-            p.workspace = max(0, visible - kept) + alloc.hidden(visible)
+            p.workspace = max(0, visible - p.bytes) + alloc.hidden(visible)  # (with its later parts' bytes)
             p.alloc_bytes = sum(d for _, d in tracker.events[m0:] if d > 0)
             p.flops = counter.get_total_flops() if counter is not None else 0
             del local
@@ -549,6 +648,11 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
         timer = Timer(device)
         with torch.no_grad():
             for g in range(n):
+                if prog.part_of[g] is not None:
+                    values[g] = stash.pop(g)
+                    for f in frees[g]:
+                        values.pop(f, None)
+                    continue
                 for _ in range(warmup):
                     prog.run(g, lookup)
                 times = []
@@ -556,7 +660,7 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
                     a = timer.mark()
                     prog.run(g, lookup)
                     times.append(timer.seconds(a, timer.mark()))
-                values[g] = prog.run(g, lookup)
+                values[g] = run_node(g)
                 profs[g].time = statistics.median(times)
                 for f in frees[g]:
                     values.pop(f, None)
@@ -580,8 +684,8 @@ class JointFrontend(Frontend):
         flat = [t for t in tree_flatten((ctx.args, ctx.kwargs))[0] if isinstance(t, torch.Tensor)]
         with self.reported(ctx):
             const = ctx.state["const"] = placeholder_values(cap, ctx.model, flat)
-            groups, static, kinds = discover_groups(cap, const)
-            prog = ctx.state["program"] = build_program(cap, groups, static, kinds)
+            groups, static, kinds, part_of = discover_groups(cap, const)
+            prog = ctx.state["program"] = build_program(cap, groups, static, kinds, part_of)
             prog.run_static(const)
 
     def profile(self, ctx: TraceContext) -> None:
@@ -620,6 +724,9 @@ class JointFrontend(Frontend):
             if bufs:
                 extra["mutates"] = bufs
             node_name = "loss" if kind == "loss" else head.name
+            if prog.part_of[g] is not None:  # a later part of an op: its tensor only (`remat.core.graph`)
+                nodes.append(Node(g, node_name, kind, 0.0, int(p.bytes), 0, extra, part_of=prog.part_of[g]))
+                continue
             ws, persistent = p.workspace, 0
             if ctx.grads == "accumulated":
                 # the gradients it makes become fresh .grad tensors that stay: the value itself
@@ -679,7 +786,7 @@ def program_from_graph(cap: JointCapture, graph: Graph) -> JointProgram:
     if covered != len(ops) or jmeta.get("loss") not in (None, cap.loss.name):
         raise InvalidInputError(f"remat.apply: the model's joint graph has {len(ops)} ops, the plan covers {covered} "
                                 "(or names another loss): the plan belongs to another model/batch shape; re-plan")
-    return build_program(cap, groups, static, [v.kind for v in graph.nodes])
+    return build_program(cap, groups, static, [v.kind for v in graph.nodes], [v.part_of for v in graph.nodes])
 
 
 __all__ = ["JointFrontend", "trace_joint", "capture_joint", "JointCapture", "JointProgram", "build_program", "discover_groups",

@@ -88,6 +88,7 @@ class _JointRun(RunBase):
         with torch.no_grad():
             self.prog.run_static(self.const)
         self.values: dict[int, dict] = {}
+        self.stash: dict[int, dict] = {}   # later parts of the op computed last, until their computes
         self.updated: set[str] = set()     # buffers updated this step
         self.warned: set[int] = set()
         self.loss_value: torch.Tensor | None = None
@@ -133,18 +134,27 @@ class _JointRun(RunBase):
         prog = self.prog
         if g in self.values:
             raise RuntimeError(f"remat.apply: node {g} is computed while resident: the plan is not valid")
+        if prog.part_of[g] is not None:  # a later part of an op: its values came with the op's leader
+            vals = self.stash.pop(g, None)
+            if vals is None:
+                raise RuntimeError(f"remat.apply: part {g} of op {prog.part_of[g]} is computed without its op: "
+                                   "the plan is not valid")
+            self.values[g] = vals
+            self.computed.add(g)
+            return
         first = g not in self.computed
         if not first and self.updated:
             self._check_buffer_reads(g)
         with torch.no_grad():
             with self.rng_of(g, prog.random[g]):
                 local = prog.run(g, self.lookup)
-            kept = set(prog.keep[g])
+            kept = prog.op_keep(g)
             for node, what, fqn in prog.sinks[g]:
                 if first:
                     self._apply_sink(local[node], what, fqn, stealable=node not in kept)
                 if node not in kept:
                     local.pop(node, None)
+            self.stash.update(prog.take_parts(g, local))
         self.computed.add(g)
         self.values[g] = local
         if g == prog.loss_id:
@@ -197,6 +207,7 @@ class _JointRun(RunBase):
 
     def end(self) -> None:
         self.values.clear()
+        self.stash.clear()
         self.const.clear()
         self.loss_value = None
         super().end()

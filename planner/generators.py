@@ -122,3 +122,35 @@ def unet(depth: int, *, convs_per_level: int = 1, base_size: int = 1, bandwidth:
             prev = [add(f"dec{lvl}_conv{c}", size, prev)]
     return from_forward(times, sizes, edges, names=names,
                         meta={"model": f"unet(depth={depth})", "bandwidth": bandwidth})
+
+
+def split_outputs(graph: Graph, splits: dict[int, list[tuple[int, Sequence[int]]]]) -> Graph:
+    """`graph` with some nodes' outputs split into parts (`remat.core.graph`): ``splits[v]`` lists
+    (bytes, readers) per extra output of node v, each read by those successors of v instead of v;
+    v keeps the rest of its bytes, and its workspace grows by the parts' bytes.  Node ids after v
+    shift by the parts inserted before them."""
+    new_id, nid = {}, 0
+    for v in graph.nodes:
+        new_id[v.id] = nid
+        nid += 1 + len(splits.get(v.id, ()))
+    nodes, edges = [], []
+    moved: dict[tuple[int, int], int] = {}  # (v, reader) -> the part it reads instead
+    for v in graph.nodes:
+        parts = splits.get(v.id, ())
+        taken = sum(b for b, _ in parts)
+        if taken > v.bytes:
+            raise ValueError(f"node {v.id}: parts of {taken} bytes exceed its {v.bytes}")
+        lead = new_id[v.id]
+        nodes.append(Node(lead, v.name, v.kind, v.time, v.bytes - taken, v.workspace_bytes + taken, dict(v.extra),
+                          v.persistent_bytes))
+        for j, (b, readers) in enumerate(parts, 1):
+            nodes.append(Node(lead + j, f"{v.name}.{j}", v.kind, 0.0, int(b), part_of=lead))
+            edges.append((lead, lead + j))
+            for k in readers:
+                if k not in graph.succs[v.id]:
+                    raise ValueError(f"node {k} does not read node {v.id}")
+                moved[v.id, k] = lead + j
+    for a, b in graph.edges:
+        edges.append((moved.get((a, b), new_id[a]), new_id[b]))
+    return Graph(nodes, edges, graph.fixed_bytes, dict(graph.meta))
+

@@ -96,7 +96,7 @@ def checked(graph: Graph, schedule: Schedule, budget_bytes: int | None, name: st
     return schedule, res
 
 
-@register("checkpoint-all", "keep every activation (no recomputation): fastest, largest peak")
+@register("checkpoint-all", "keep every activation (no recomputation): fastest, largest peak", parts=True)
 def checkpoint_all(graph: Graph, budget_bytes: int | None = None, **_: object) -> Schedule:
     return checked(graph, Schedule.keep_all(graph), budget_bytes, "checkpoint-all")[0]
 

@@ -86,8 +86,8 @@ def orders(graph: Graph, compute: Sequence[int], own: int, kept_after: set[int],
         readers = dict(reads)  # input -> reads still to come in the stage
         ready = [k for k in rest if not waiting[k]]
         order: list[int] = []
-        while ready:
-            k = pick(ready, readers)
+
+        def take(k: int) -> None:
             ready.remove(k)
             order.append(k)
             for i in set(graph.preds[k]):
@@ -96,6 +96,12 @@ def orders(graph: Graph, compute: Sequence[int], own: int, kept_after: set[int],
                 waiting[j] -= 1
                 if not waiting[j]:
                     ready.append(j)
+        while ready:
+            k = pick(ready, readers)
+            take(k)
+            for p in graph.op_members.get(k, ())[1:]:  # (an op's parts right after it: `remat.core.graph`)
+                if p in waiting:
+                    take(p)
         return order + [own]
 
     def fewest_left(ready: list[int], readers: dict[int, int]) -> int:

@@ -33,7 +33,16 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
     preds, succs = graph.preds, graph.succs
     B = budget_bytes - graph.fixed_bytes
 
-    def closure(targets, resident):
+    # an op with several parts (graph.py): recomputed whole; the stages of its later parts
+    # compute their part and nothing else, and bring nothing back
+    op = {}
+    for v in graph.nodes:
+        if v.part_of is not None:
+            op.setdefault(v.part_of, [v.part_of]).append(v.id)
+    member_of = {m: ms for ms in op.values() for m in ms}
+    part_stage = {m for ms in op.values() for m in ms[1:]}
+
+    def closure(targets, resident, t):
         R = set()
         stack = list(targets)
         while stack:
@@ -41,6 +50,8 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
             if x in R:
                 continue
             R.add(x)
+            if x in member_of and member_of[x][-1] < t:
+                stack.extend(member_of[x])
             stack.extend(u for u in preds[x] if u not in resident and u not in R)
         return R
 
@@ -71,18 +82,20 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
         # dominated choices left out: keeping a value nothing ever reads (a sink), swapping out a
         # value no later stage can read, fetching a value the stage neither reads nor keeps
         nxt_choices = list(_subsets([i for i in range(t + 1) if succs[i]])) if t + 1 < n else [()]
-        for SF in (_subsets(H_set - S_set) if swap else [()]):
+        for SF in (_subsets(H_set - S_set) if swap and t not in part_stage else [()]):
             SF_set = set(SF)
             resident = S_set | SF_set
             for nxt in nxt_choices:
                 nxt_set = set(nxt)
                 fresh = [i for i in nxt_set if i not in resident and i != t]
-                swappable = [i for i in fresh if i in H_set] if swap else []
+                swappable = [i for i in fresh if i in H_set] if swap and t not in part_stage else []
                 for SI in _subsets(swappable):
                     SI_set = set(SI)
-                    R = closure({t} | (set(fresh) - SI_set), resident)
-                    if R & (SI_set | SF_set):
-                        continue  # recomputed anyway: dominated by the choice without the swap-in
+                    R = closure({t} | (set(fresh) - SI_set), resident, t)
+                    if R & (SI_set | SF_set | S_set):
+                        continue  # recomputed anyway: dominated by the choice without the swap-in (or keep)
+                    if t in part_stage and R != {t}:
+                        continue
                     if not recompute_backward and any(k != t and graph.nodes[k].kind != "forward" for k in R):
                         continue  # autograd runs each backward node (and the loss) exactly once
                     if any(i not in nxt_set and not any(k in R for k in succs[i]) for i in SF_set):

@@ -20,4 +20,5 @@ def test_the_quickstart_runs_as_written(tmp_path, monkeypatch, capsys):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md (quickstart)", "exec"), {"__name__": "__quickstart__"})
-    assert capsys.readouterr().out.startswith("optimal ") and (tmp_path / "plan.json").exists()
+    # (a plan proven optimal, or one with its gap: the joint graph's per-tensor model is larger)
+    assert capsys.readouterr().out.split()[0] in ("optimal", "feasible") and (tmp_path / "plan.json").exists()

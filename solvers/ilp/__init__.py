@@ -36,13 +36,17 @@ from .warm import baseline_schedules, best_baseline, near_seeds, searched_warm_s
 MODES = ("auto", "exact", "scalable")
 
 
-@register("ilp", "Checkmate's ILP with keep/recompute/swap (CBC; proven optimal or reports its gap)")
+@register("ilp", "Checkmate's ILP with keep/recompute/swap (CBC; proven optimal or reports its gap)", parts=True)
 def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: float | None = 60.0,
           gap: float = 0.0, threads: int | None = None, backend: str = "cbc", warm_start: bool = True,
           bandwidth: float | None = None, max_memory_units: int = 1_000_000, msg: bool = False,
           recompute_backward: bool = False, progress: Callable[[dict], None] | None = None,
           mode: str = "auto", use_instant_ip: bool = True, **options: object) -> Schedule:
     """Optimal schedule under `budget_bytes` (whole-step bytes, fixed bytes included).
+
+    On a graph whose ops have several parts (`remat.core.graph`) both modes plan the parts (each
+    tensor freed at its own last use); ``parts="merged"`` makes the scalable mode plan the merged
+    graph and expand its plan instead (`remat.solvers.parts`; for comparison).
 
     `time_limit` bounds the call; `gap` (relative) lets the search stop early; `progress(dict)`
     receives incumbent, lower bound and gap while the solver runs.  `mode`: "exact" (`exact.solve`:
@@ -53,6 +57,12 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
     if mode not in MODES:
         raise InvalidInputError(f"--mode: expected 'auto', 'exact' or 'scalable', got {mode!r}")
     if mode == "scalable" or (mode == "auto" and graph.n > scalable.AUTO_THRESHOLD):
+        if graph.has_parts and options.pop("parts", "native") == "merged":  # (`remat.solvers.parts`)
+            from remat.solvers.parts import on_merged
+            return on_merged(scalable.solve)(graph, budget_bytes, swap=swap, time_limit=time_limit, gap=gap,
+                                             threads=threads, backend=backend, bandwidth=bandwidth,
+                                             recompute_backward=recompute_backward, progress=progress, msg=msg,
+                                             use_instant_ip=use_instant_ip, **options)
         return scalable.solve(graph, budget_bytes, swap=swap, time_limit=time_limit, gap=gap, threads=threads,
                               backend=backend, bandwidth=bandwidth, recompute_backward=recompute_backward,
                               progress=progress, msg=msg, use_instant_ip=use_instant_ip, **options)

@@ -33,8 +33,12 @@ memory       U[t,0] = M_0 R[t,0] + sum_i M_i (S[t,i] + SI[t,i] + SF[t,i])
              everything else, all of them; `remat.core.simulate`)
 stage time   tau[t] >= F_t + sum_i C_i R[t,i];  tau[t] >= F_t + sum_i (M_i / bandwidth) (SO[t,i] + SI[t,i])
              with F_t = sum_i (M_i / bandwidth) SF[t,i] (fetches run first and are waited for)
+parts        R[t,p] = R[t,l] for every later part p of an op led by l, t past its last part; the
+             stages of later parts recompute nothing and bring nothing back (no R, SI, SF
+             there): an op's outputs are made together (`remat.core.graph`)
 no_waste     S[t,i] <= S[t+1,i] + SO[t,i] + sum_{k in succ(i), k <= t} R[t,k]
-             R[t,i] <= S[t+1,i] + sum_{k in succ(i), i < k <= t} R[t,k]          (i < t)
+             R[t,i] <= S[t+1,i] + sum_{k in succ(i), i < k <= t} R[t,k]          (i < t; for an
+             op with parts one row, over the uses of all its parts)
              SO[t,i] <= sum_{t' > t} (SI[t',i] + SF[t',i])   (a host copy is brought back)
 
 Objective: min sum_t tau[t] (with swap) or min sum_{t,i} C_i R[t,i] (without: Checkmate's).
@@ -171,17 +175,18 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     SO: dict = {}
     SI: dict = {}
     SF: dict = {}
+    part_stage = {p for op in graph.op_members.values() for p in op[1:]}  # (they compute their part only)
     for t in range(n):
         for i in range(t):
             if not sink[i]:
                 if (recompute_backward or graph.nodes[i].kind == "forward") and \
-                        (r_support is None or (t, i) in r_support):
+                        (r_support is None or (t, i) in r_support) and t not in part_stage:
                     R[t, i] = var("R", t, i)
                 S[t, i] = var("S", t, i)
                 if swap and M[i] > 0 and (recompute_backward or graph.nodes[i].kind == "forward"):
                     if t < n - 1:
                         SO[t, i] = var("SO", t, i)
-                    if t >= 2 and i <= t - 2:
+                    if t >= 2 and i <= t - 2 and t not in part_stage:
                         SF[t, i] = var("SF", t, i)
                         if t < n - 1:
                             SI[t, i] = var("SI", t, i)
@@ -206,6 +211,18 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
         return pulp.lpSum(SO[tt, i] for tt in range(t) if (tt, i) in SO)
 
     add = prob.addConstraint
+    for op in graph.op_members.values():  # parts: an op is recomputed whole or not at all
+        for t in range(op[-1] + 1, n):
+            rs = [R.get((t, m)) for m in op]
+            if all(v is None for v in rs):
+                continue
+            if any(v is None for v in rs):
+                for j, v in enumerate(rs):
+                    if v is not None:
+                        add(v == 0, f"parts_fixed_{t}_{op[j]}")
+            else:
+                for j, v in enumerate(rs[1:], 1):
+                    add(v == rs[0], f"parts_{t}_{op[j]}")
     for t in range(n):
         for i in range(t + 1):
             if (t + 1, i) in S:
@@ -290,8 +307,16 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     for (t, i), v in S.items():
         used = [r(t, k) for k in succs[i] if k <= t]
         add(v <= s(t + 1, i) + so(t, i) + pulp.lpSum(used), f"no_waste_keep_{t}_{i}")
+    op_of, members = graph.op_of, graph.op_members
     for (t, i), v in R.items():
-        used = [r(t, k) for k in succs[i] if i < k <= t]
+        op = members.get(op_of[i])
+        if op is None:
+            used = [r(t, k) for k in succs[i] if i < k <= t]
+        elif i == op[0]:  # (an op's row: some part of it is used)
+            used = [s(t + 1, m) for m in op[1:]] + [r(t, k) for m in op for k in succs[m]
+                                                    if op_of[k] != i and k <= t]
+        else:
+            continue
         add(v <= s(t + 1, i) + pulp.lpSum(used), f"no_waste_recompute_{t}_{i}")
     for (t, i), v in SO.items():  # a host copy nothing brings back (e.g. of a value already dead)
         back = [d[tt, i] for d in (SI, SF) for tt in range(t + 1, n) if (tt, i) in d]
@@ -380,6 +405,7 @@ def prune_waste(graph: Graph, schedule: Schedule) -> Schedule:
     SI = [set(s.swap_in) for s in schedule.stages]
     SF = [set(s.fetch) for s in schedule.stages]
     succs = graph.succs
+    members, op_of = graph.op_members, graph.op_of
     changed = True
     while changed:
         changed = False
@@ -390,8 +416,14 @@ def prune_waste(graph: Graph, schedule: Schedule) -> Schedule:
                     S[t].discard(i)
                     changed = True
             for i in sorted(R[t]):
-                if i != t and i not in nxt and not any(k in R[t] and k > i for k in succs[i]):
-                    R[t].discard(i)
+                op = members.get(op_of[i])
+                if op is None:
+                    if i != t and i not in nxt and not any(k in R[t] and k > i for k in succs[i]):
+                        R[t].discard(i)
+                        changed = True
+                elif i == op[0] and op[-1] < t and all(
+                        m not in nxt and not any(k in R[t] and op_of[k] != i for k in succs[m]) for m in op):
+                    R[t].difference_update(op)  # (an op's parts are recomputed together, or not at all)
                     changed = True
             for i in sorted(SI[t]):
                 if i not in nxt:

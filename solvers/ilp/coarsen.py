@@ -11,14 +11,15 @@ can keep a block's output and recompute its interior.  Cut points come from a DP
 that balances the runs' time and bytes (a run costs (time/tau)^2 + (bytes/mu)^2 + 2, tau and mu
 the per-run targets, so about K runs come out) and charges a cut 4x the bytes that cross it
 other than the run's last output: runs end at articulation points and narrow waists (block
-boundaries) where they can.  `fit_groups` halves runs until every coarse node fits the budget
-with its inputs.
+boundaries) where they can; never between the parts of an op (`remat.core.graph`).  `fit_groups`
+halves runs (at op boundaries) until every coarse node fits the budget with its inputs.
 
 Expand (`expand`).  Coarse stage T (first compute of run X = x_1..x_m) becomes fine stages
 x_1..x_m: stage x_1 recomputes every member of every run the coarse stage recomputes (in id
 order, which is the coarse order since runs are contiguous) and computes x_1; stage x_j computes
 x_j.  Transfers of a run apply to all its members (swap-outs and fetches in stage x_1, prefetches
-in the stage of the run's last member).  Keeps are the minimal ones the computes need
+in the stage of the run's last member, or of its op's leader when that member is a later part of
+an op, `remat.core.graph`).  Keeps are the minimal ones the computes need
 (`checkmate.minimal_keep`), then `checkmate.prune_waste`.  Why it fits the budget: at every fine
 compute the resident values are members of runs the coarse model holds at the same point, the
 run being computed has allocated at most its full bytes, and the workspace term covers the rest;
@@ -92,7 +93,10 @@ def cut_run(graph: Graph, lo: int, hi: int, k: int, cap_bytes: float) -> list[in
     f = [INF] * (L + 1)
     arg = [0] * (L + 1)
     f[0] = 0.0
+    parts = [v.part_of for v in graph.nodes]
     for q in range(1, L + 1):
+        if q < L and parts[lo + q] is not None:
+            continue  # (never between an op's parts: they are computed together, `remat.core.graph`)
         cut = 4.0 * cross[q] / mu if q < L else 0.0
         best, bp = INF, q - 1
         for p in range(max(0, q - max_len), q):
@@ -160,7 +164,7 @@ def fit_groups(graph: Graph, groups: list[list[int]], budget_bytes: int) -> list
         if not bad:
             return groups
         x = max(bad, key=lambda y: need[y])
-        cand = [y for y in [x, *cg.preds[x]] if len(groups[y]) > 1]
+        cand = [y for y in [x, *cg.preds[x]] if op_boundary(graph, groups[y], 1) is not None]
         if not cand:
             return groups  # single nodes: the fine graph itself cannot fit (the caller finds out)
         y = max(cand, key=lambda z: cg.nodes[z].bytes)
@@ -172,8 +176,17 @@ def fit_groups(graph: Graph, groups: list[list[int]], budget_bytes: int) -> list
             fwd[y:y + 1] = [fwd[y][:half], fwd[y][half:]]
             groups = mirror(fwd, m)
         else:
-            half = len(groups[y]) // 2
+            half = op_boundary(graph, groups[y], len(groups[y]) // 2)
+            if half is None:
+                return groups  # (one op: its parts stay together)
             groups[y:y + 1] = [groups[y][:half], groups[y][half:]]
+
+
+def op_boundary(graph: Graph, run: list[int], at: int) -> int | None:
+    """The position in `run` nearest `at` (0 < position < len) that does not fall between an op's
+    parts, or None."""
+    ok = [j for j in range(1, len(run)) if graph.nodes[run[j]].part_of is None]
+    return min(ok, key=lambda j: (abs(j - at), j)) if ok else None
 
 
 def coarsen(graph: Graph, groups: list[list[int]]) -> Coarsening:
@@ -226,8 +239,8 @@ def expand(co: Coarsening, coarse: Schedule) -> Schedule:
             SO[first].update(v for v in groups[x] if g.nodes[v].bytes > 0)
         for x in st.fetch:
             SF[first].update(v for v in groups[x] if g.nodes[v].bytes > 0)
-        for x in st.swap_in:
-            SI[last].update(v for v in groups[x] if g.nodes[v].bytes > 0)
+        for x in st.swap_in:  # (not in the stage of an op's later part: in its leader's, by the parts rule)
+            SI[g.op_of[last]].update(v for v in groups[x] if g.nodes[v].bytes > 0)
     S = minimal_keep(g, R, SO, SI, SF)
     SI = [SI[t] & (S[t + 1] if t + 1 < n else set()) for t in range(n)]
     sched = Schedule.from_stages(g, [Stage(sorted(R[t]), sorted(S[t]), sorted(SO[t]), sorted(SI[t]),

@@ -208,6 +208,7 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     def back(t: int, v: int):  # v rebuilt or brought back between instants t-1 and t
         return m.N.get((t, v), 0) + m.SI.get((t, v), 0)
 
+    add_parts_rows(graph, m, last)
     for t in range(first, last + 1):
         for u in preds[t]:
             if tracked[u]:
@@ -247,6 +248,26 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
     else:
         prob += base + recompute
     return m
+
+
+def add_parts_rows(graph: Graph, m: InstantModel, last: int) -> None:
+    """Ops with parts (`remat.core.graph`): nothing is rebuilt or brought back in the interval of
+    an op's later part, and an op's parts are rebuilt together with its leader (N[t,p] = N[t,l]
+    where both exist; a part's horizon ends no later than its leader's).  Every schedule obeys
+    both, so the model stays a relaxation."""
+    for op in graph.op_members.values():
+        for p in op[1:]:
+            for d in (m.N, m.SI):
+                for (t, v), x in d.items():
+                    if t == p:
+                        x.upBound = 0
+        for t in range(op[-1] + 1, last + 1):
+            lead = m.N.get((t, op[0]))
+            if lead is None:
+                continue
+            for p in op[1:]:
+                if (t, p) in m.N:
+                    m.prob.addConstraint(m.N[t, p] == lead, f"parts_{t}_{p}")
 
 
 def add_rebuild_moments(graph: Graph, m: InstantModel, cap: int, unit: int, moments: dict[int, bool]) -> None:
@@ -451,6 +472,11 @@ def schedule_from(graph: Graph, m: InstantModel) -> Schedule | None:
     for (t, v), x in m.N.items():
         if val(x):
             R[t].add(v)
+    for t in range(n):  # an op rebuilt brings all its parts (those past their horizon too)
+        for v in list(R[t]):
+            members = graph.op_members.get(graph.op_of[v])
+            if members is not None and members[-1] < t:
+                R[t].update(members)
     none = [set() for _ in range(n)]
     try:
         S = minimal_keep(graph, R, none, none, none)
