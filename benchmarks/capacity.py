@@ -12,6 +12,7 @@ at the same batch.  Figures are ratios: remat's batch over plain's and over chec
 
     python benchmarks/capacity.py                      # GPT-2 (zoo, 4 layers, seq 128), ResNet-50 (zoo, 32 px) with and without swap
     python benchmarks/capacity.py --cases gpt2 --time-limit 20
+    python benchmarks/capacity.py --cases resnet50-op -o benchmarks/out/capacity-op.csv   # op-level ResNet-50
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ CASES = {
     "gpt2": ("gpt2", {"seq_len": 128, "n_layer": 4}, "48MiB", {}),
     "resnet50": ("resnet50", {}, "24MiB", {"granularity": "module"}),
     "resnet50-swap": ("resnet50", {}, "24MiB", {"granularity": "module", "swap": True}),
+    "resnet50-op": ("resnet50", {}, "24MiB", {"granularity": "joint"}),   # op level: each tensor on its own
 }
 COLUMNS = ("case", "memory", "granularity", "nodes", "plain_batch", "plain_predicted_batch", "ckpt_batch",
            "ckpt_time_ratio", "remat_no_recompute", "remat_1.1x", "remat_1.3x", "remat_at_ckpt_ratio",

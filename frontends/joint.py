@@ -22,8 +22,14 @@ Nodes (`JointProgram.groups`; graph node i = group i):
   loss, backward nodes (fx order): a topological order;
 * edges: data dependencies between nodes (a backward op reading a forward value is a
   "saved tensor" edge);
-* ``bytes``: storages the node allocates that another node reads (a multi-output op: the sum
-  of those outputs; an unused output, e.g. of ``native_batch_norm_backward``, is workspace);
+* an op whose outputs that other ops read lie in several storages (batch norm's output and
+  statistics, dropout's output and mask) is one node per storage, its *parts*
+  (`remat.core.graph`, `split_outputs`): the leader has the allocating op and the first storage,
+  each later part the ``getitem`` (and views) of its storage; the leader's run executes the whole
+  op (`JointProgram.run`) and hands each part its values (`take_parts`);
+* ``bytes``: storages the node allocates that another node reads (an unused output, e.g. of
+  ``native_batch_norm_backward``, is workspace; a leader's workspace includes its later parts'
+  bytes);
   ``workspace_bytes``: the rest of its peak while it runs (on the CPU: storages the op
   returns but nobody keeps; allocations inside a kernel are invisible, as to `measure_peak`);
 * parameter gradients: the node producing one is a backward node whose value goes into

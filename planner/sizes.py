@@ -92,7 +92,8 @@ class GraphFamily:
         for s in self.sizes[1:]:
             g = self.graphs[s]
             same = (g.n == first.n and g.edges == first.edges
-                    and all((u.name, u.kind) == (v.name, v.kind) for u, v in zip(g.nodes, first.nodes)))
+                    and all((u.name, u.kind, u.part_of) == (v.name, v.kind, v.part_of)
+                            for u, v in zip(g.nodes, first.nodes)))
             if not same:
                 raise InvalidInputError(
                     f"capacity: the graphs traced at {dim} {self.sizes[0]} and {s} differ in structure "
@@ -129,7 +130,8 @@ class GraphFamily:
                 vals = {key: max(0.0, polynomial_value(fits[key], size)) for key in _COSTS}
                 extra = {**v.extra, **{key: int(round(max(0.0, polynomial_value(c, size)))) for key, c in extra_fits.items()}}
                 nodes.append(Node(v.id, v.name, v.kind, vals["time"], *(int(round(vals[k])) for k in _COSTS[1:3]),
-                                  extra=extra, persistent_bytes=int(round(vals["persistent_bytes"]))))
+                                  extra=extra, persistent_bytes=int(round(vals["persistent_bytes"])),
+                                  part_of=v.part_of))
             fixed = int(round(max(0.0, polynomial_value(self._fixed_fit, size))))
             meta = {**base.meta, "batch" if self.dim == "batch" else "seq_len": size,
                     "capacity": {"dim": self.dim, "traced_sizes": self.sizes, "degree": self.degree}}

@@ -163,3 +163,12 @@ def test_the_scalable_mode_plans_the_parts():
     from remat.solvers.ilp.coarsen import choose_groups, fit_groups
     for groups in (choose_groups(g, 30), fit_groups(g, choose_groups(g, 30), budget)):
         assert all(g.nodes[run[0]].part_of is None for run in groups)
+
+
+def test_a_family_of_graphs_with_parts_scales_them_as_parts():
+    from remat.sizes import GraphFamily
+    fam = GraphFamily({2: _bn_chain(size=20, stats=4), 4: _bn_chain(size=40, stats=8)}, dim="batch")
+    g = fam.at(6)
+    assert g.op_members == _bn_chain().op_members
+    assert [v.bytes for v in g.nodes] == [v.bytes for v in _bn_chain(size=60, stats=12).nodes]
+    assert simulate(g, Schedule.keep_all(g)).valid
