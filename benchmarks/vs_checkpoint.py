@@ -5,7 +5,8 @@ For each case: plain autograd, `torch.utils.checkpoint` (non-reentrant) on every
 ``--granularity joint``, op-level trace (gradients allocated at their first accumulation, as
 `zero_grad()` leaves them; an op's output tensors freed one by one) at two budgets:
 the peak checkpoint-every-block measured, and the smallest one the planner finds (what
-`remat.plan` names when asked for what every schedule must hold, `analysis.forced_need`).  Every step is
+`remat.plan` names when asked for what every schedule must hold, `analysis.forced_need`, or where
+it finds no plan in the time limit there, the smallest of a few bisected budgets that it plans).  Every step is
 measured side by side in this one run (`remat.measure`: exact storage accounting on the CPU; the
 median of `--steps` timed steps after a warm-up), with gradients set to None between steps.
 Figures are ratios: remat's peak against checkpointing's, and its step time against
@@ -33,7 +34,7 @@ from remat.frontends import zoo  # noqa: E402
 from remat.frontends.checkpointing import checkpoint_every_block  # noqa: E402
 from remat.frontends.run import run_plan  # noqa: E402
 from remat.core.analysis import forced_need  # noqa: E402
-from remat.core.errors import InfeasibleBudgetError  # noqa: E402
+from remat.core.errors import InfeasibleBudgetError, SolverError  # noqa: E402
 
 # name -> (zoo model, zoo settings, trace depth)
 CASES = {
@@ -43,6 +44,29 @@ CASES = {
 COLUMNS = ("case", "granularity", "nodes", "plain_peak", "plain_s", "ckpt_peak", "ckpt_s", "at_ckpt_peak", "at_ckpt_s",
            "at_ckpt_predicted_peak", "at_ckpt_predicted_overhead", "tightest_peak", "tightest_s",
            "tightest_predicted_peak", "tightest_over_ckpt_peak", "at_ckpt_over_ckpt_time")
+
+
+def tightest_plan(graph, ceiling: int, time_limit: float, probes: int = 6):
+    """The plan at the smallest budget the planner finds: what every schedule must hold
+    (`analysis.forced_need`) when it plans there, else the budget the infeasibility message names,
+    else (no plan in the time limit) a bisection between the forced need and `ceiling`."""
+    low = forced_need(graph)
+    try:
+        return remat.plan(graph, low, swap=False, time_limit=time_limit)
+    except InfeasibleBudgetError as e:
+        if e.min_feasible_bytes is not None:
+            return remat.plan(graph, e.min_feasible_bytes, swap=False, time_limit=time_limit)
+    except SolverError:
+        pass
+    best = remat.plan(graph, ceiling, swap=False, time_limit=time_limit)
+    hi = ceiling
+    for _ in range(probes):
+        mid = (low + hi) // 2
+        try:
+            best, hi = remat.plan(graph, mid, swap=False, time_limit=time_limit), mid
+        except (InfeasibleBudgetError, SolverError):
+            low = mid
+    return best
 
 
 def run_case(case: str, steps: int, time_limit: float, granularity: str = "module") -> dict:
@@ -56,12 +80,7 @@ def run_case(case: str, steps: int, time_limit: float, granularity: str = "modul
     row = {"case": case, "granularity": granularity, "nodes": graph.n, "plain_peak": plain_peak, "plain_s": plain_s, "ckpt_peak": ckpt_peak,
            "ckpt_s": ckpt_s}
     plans = {"at_ckpt": remat.plan(graph, ckpt_peak, swap=False, time_limit=time_limit)}
-    try:  # the smallest budget the planner finds, as a user asking for too little is told
-        remat.plan(graph, forced_need(graph), swap=False, time_limit=time_limit)
-        tight = forced_need(graph)
-    except InfeasibleBudgetError as e:
-        tight = e.min_feasible_bytes
-    plans["tightest"] = remat.plan(graph, tight, swap=False, time_limit=time_limit)
+    plans["tightest"] = tightest_plan(graph, ckpt_peak, time_limit)
     for key, plan in plans.items():
         rep = run_plan(copy.deepcopy(model), example, plan, steps=steps, plain=False)
         row[f"{key}_peak"], row[f"{key}_s"] = rep.peak_bytes, rep.step_time

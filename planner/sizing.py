@@ -26,7 +26,9 @@ from .sizes import (MAX_SIZE, CapacityResult, GraphFamily, Probe, fit_polynomial
                          levels_for, polynomial_value, search)
 from remat.core.errors import InvalidInputError
 from remat.core.graph import Graph
-from remat.core.plan import Plan
+from remat.core.plan import Plan, predicted_from
+from remat.core.schedule import Schedule
+from remat.core.simulate import simulate
 
 from remat.frontends.base import default_loss, split_inputs
 from remat.frontends.checkpointing import block_names, checkpoint_every_block
@@ -226,28 +228,54 @@ def capacity(make: Callable[[int], Any], memory: "str | int", *, dim: str = "bat
                             _peers(make, sizes, dim, family, memory, loss_fn, dev, to_none, max_size) if peers else [])
     best = result.best()
     if verify and best.size:
+        probe_plan = result.plan()
         report.verification = verify_size(make, best.size, dim, memory, options, loss_fn, dev, swap=swap,
-                                          steps=verify_steps, solver=solver, time_limit=time_limit, gap=gap)
+                                          steps=verify_steps, solver=solver, time_limit=time_limit, gap=gap,
+                                          start=probe_plan)
     return report
 
 
 def verify_size(make: Callable, size: int, dim: str, memory: int, trace_options: dict, loss_fn: Callable,
-                device: torch.device, steps: int = 1, **plan_options: Any) -> Verification:
+                device: torch.device, steps: int = 1, start: Plan | None = None,
+                **plan_options: Any) -> Verification:
     """Trace at `size`, plan within `memory`, run `steps` planned steps and measure their peak
-    (and, with more than one step on a CPU, as many plain autograd steps for the time ratio)."""
-    from remat.core.errors import InfeasibleBudgetError
+    (and, with more than one step on a CPU, as many plain autograd steps for the time ratio).
+    `start`, the search's plan at that size (made on the scaled graph), runs instead of the fresh
+    plan when the traced graph has the same nodes, its schedule fits the memory there too and the
+    simulator says it is faster (a solver's time limit can give the fresh plan a worse schedule)."""
+    from remat.core.errors import InfeasibleBudgetError, SolverError
     from .planning import plan as make_plan
     model, inputs = _built(make, size, dim)
     graph = trace(model, inputs, loss_fn, device=device, **trace_options)
+    reused = _replayed(graph, start, memory)
     try:
         p = make_plan(graph, memory, plan_options.pop("solver", "ilp"), **plan_options)
-    except InfeasibleBudgetError as e:
-        return Verification(size, None, None, memory, f"the graph traced at {dim} {size} has no plan within the "
-                            f"memory: {e}")
+    except (InfeasibleBudgetError, SolverError) as e:
+        if reused is None:
+            return Verification(size, None, None, memory, f"the graph traced at {dim} {size} has no plan within the "
+                                f"memory: {e}")
+        p = None
+    if reused is not None and (p is None or reused.predicted["time"] < p.predicted["time"]):
+        p = reused
     plain = device.type == "cpu" and steps > 1  # (plain autograd may not fit a real device's memory)
     rep = run_plan(model, inputs, p, steps=steps, device=device, loss_fn=loss_fn, plain=plain)
     return Verification(size, p, rep.peak_bytes, memory, step_time=rep.step_time,
                         plain_time=rep.plain.time if rep.plain is not None else None)
+
+
+def _replayed(graph: Graph, start: Plan | None, memory: int) -> Plan | None:
+    """`start`'s schedule as a plan of `graph` when `graph` has the same nodes (names, parts) and
+    the schedule is valid there and fits `memory`, else None."""
+    if start is None or [(v.name, v.kind, v.part_of) for v in graph.nodes] != \
+            [(v.name, v.kind, v.part_of) for v in start.graph.nodes]:
+        return None
+    schedule = start.schedule
+    res = simulate(graph, schedule)
+    if not res.valid or res.peak_bytes > memory:
+        return None
+    report = {**schedule.report, "replayed": "the capacity search's schedule at this size, on the graph traced here"}
+    return Plan(graph, Schedule(schedule.ops, schedule.stages, report), memory, report,
+                predicted_from(graph, res))
 
 
 __all__ = ["capacity", "verify_size", "example_size", "CapacityReport", "PeerAnswer", "Verification", "DEFAULT_SIZES"]

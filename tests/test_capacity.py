@@ -129,6 +129,28 @@ def test_capacity_api_verifies_with_one_measured_step():
     assert plain.peaks[plain.size] <= 12 * 2 ** 20 < plain.peaks[plain.size + 1]  # measured on both sides
 
 
+def test_verification_runs_the_search_schedule_when_it_is_faster():
+    # the search's plan at the answer's size (made on the scaled graph) replays on the graph traced
+    # there: it runs when it fits and beats the fresh plan (here a slow baseline's), not otherwise
+    import torch
+    from remat.frontends import zoo
+    from remat.sizing import verify_size
+    make = lambda b: zoo.get("resnet18", batch=b)  # noqa: E731
+    opts = {"granularity": "module", "profile": "flops"}
+    graph = remat.trace(*make(4), **opts)
+    from remat.core.analysis import forced_need
+    memory = (keep_all_peak(graph) + forced_need(graph)) // 2
+    good = remat.plan(graph, memory, swap=False, time_limit=20)
+    cpu = torch.device("cpu")
+    v = verify_size(make, 4, "batch", memory, opts, None, cpu, start=good, solver="checkpoint-last-node")
+    assert "replayed" in v.plan.solver and v.fits
+    assert v.plan.predicted["time"] == pytest.approx(good.predicted["time"])
+    other = remat.plan(remat.trace(*make(4), **{**opts, "depth": 2}), "1.0x", swap=False, time_limit=20)
+    assert [v.name for v in other.graph.nodes] != [v.name for v in graph.nodes]
+    v = verify_size(make, 4, "batch", memory, opts, None, cpu, start=other, solver="checkpoint-last-node")
+    assert "replayed" not in v.plan.solver  # (another graph: not replayed)
+
+
 def test_capacity_rejects_a_model_whose_inputs_do_not_change():
     from remat.frontends import zoo
     with pytest.raises(InvalidInputError, match="must change with the batch"):
