@@ -7,7 +7,9 @@ points, least squares of degree ``min(len(sizes) - 1, degree)``: degree 1 for a 
 activations and times grow linearly with it, parameters stay), degree 2 for a sequence length
 (attention scores grow with its square; three traced lengths fit it exactly).  Values are exact
 at the traced sizes when there are no more points than coefficients, rounded to whole bytes and
-never negative.
+never negative.  Past the largest traced size a node's time is never below its time there:
+measured times of small ops at small sizes are mostly noise, and a line through two of them can
+fall to zero further on, which would make their recomputation look free.
 
 `search` answers, per overhead level (a cap on the predicted step time over the time without
 recomputation: 1.0 is "no recomputation"), the largest size whose fastest plan within `memory`
@@ -128,6 +130,8 @@ class GraphFamily:
             nodes = []
             for v, fits, extra_fits in zip(base.nodes, self._node_fits, self._extra_fits):
                 vals = {key: max(0.0, polynomial_value(fits[key], size)) for key in _COSTS}
+                if size > self.sizes[-1]:  # (past the traced sizes a node takes no less time than at the largest)
+                    vals["time"] = max(vals["time"], v.time)
                 extra = {**v.extra, **{key: int(round(max(0.0, polynomial_value(c, size)))) for key, c in extra_fits.items()}}
                 nodes.append(Node(v.id, v.name, v.kind, vals["time"], *(int(round(vals[k])) for k in _COSTS[1:3]),
                                   extra=extra, persistent_bytes=int(round(vals["persistent_bytes"])),

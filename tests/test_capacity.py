@@ -218,3 +218,18 @@ def test_largest_near_equals_a_linear_scan_from_any_guess(seed):
     limit = rng.choice([0, 1, rng.randrange(2, 300)])
     guess = rng.randrange(1, 400)
     assert largest_near(lambda s: s <= limit, guess, max_size=250) == min(limit, 250)
+
+
+def test_scaled_times_never_fall_below_the_largest_traced():
+    # measured times of small ops are noise at small sizes: a line through two that falls must not
+    # make a node free to recompute at a large size
+    import dataclasses
+    from remat import generators as G
+    from remat.core.graph import Graph
+    a, b = G.linear_chain(4, size=10), G.linear_chain(4, size=20)
+    b = Graph([dataclasses.replace(v, time=v.time / 2 if v.id == 1 else v.time) for v in b.nodes], b.edges,
+              b.fixed_bytes, b.meta)
+    fam = GraphFamily({2: a, 4: b})
+    assert fam.at(3).nodes[1].time == pytest.approx(0.75)       # (between traced sizes: the line)
+    assert fam.at(40).nodes[1].time == pytest.approx(0.5)       # (past them: never below the largest's)
+    assert fam.at(40).nodes[0].time == pytest.approx(1.0)
