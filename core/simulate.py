@@ -102,7 +102,7 @@ class SimState:
 
     __slots__ = ("graph", "bandwidth", "check", "origin", "on_host", "xfer_end", "swap_in_end", "clock", "xclock",
                  "live", "during", "peak", "host", "host_peak", "compute_time", "transfer_time", "counts",
-                 "bytes_by_origin", "last_start", "last_end", "pending", "expect", "_nodes", "_preds", "_parts")
+                 "bytes_by_origin", "last_start", "last_end", "pending", "expect", "_nodes", "_preds", "_op_of")
 
     def __init__(self, graph: Graph, bandwidth: float | None = None, *, resident: Iterable[int] = (),
                  computed: Iterable[int] = (), live_bytes: int | None = None, check: bool = True):
@@ -120,7 +120,7 @@ class SimState:
         self.pending = 0  # persistent bytes of the last first compute, counted from the next allocation
         # the part of an op that must be computed next (-1: none); checked only with `check`
         self.expect = -1
-        self._parts = [v.part_of for v in graph.nodes] if graph.has_parts else None
+        self._op_of = graph.op_of if graph.has_parts else None  # (a node's op leader, `Graph.op_of`)
         persistent = sum(self._nodes[v].persistent_bytes for v in self.counts)
         resident_bytes = sum(self._nodes[v].bytes for v in self.origin)
         self.live = resident_bytes + persistent if live_bytes is None else int(live_bytes)
@@ -191,9 +191,9 @@ class SimState:
                     return f"input {self._name(u)} of node {self._name(i)} is needed but {where}"
             if i in origin:
                 return f"node {self._name(i)} is computed while its output is already resident"
-            parts = self._parts
-            if parts is not None:
-                message = self._part_rule(i, parts)
+            op_of = self._op_of
+            if op_of is not None:
+                message = self._part_rule(i, op_of)
                 if message is not None:
                     return message
         clock = self.clock
@@ -224,17 +224,17 @@ class SimState:
             self.peak = during
         return None
 
-    def _part_rule(self, i: int, parts: list) -> str | None:
+    def _part_rule(self, i: int, op_of: list) -> str | None:
         """The parts rule (module docstring) for a compute of i; advances `expect`."""
         e = self.expect
         if e >= 0 and i != e:
-            return (f"node {self._name(i)} is computed between the parts of op {self._name(parts[e])}: its part "
+            return (f"node {self._name(i)} is computed between the parts of op {self._name(op_of[e])}: its part "
                     f"{self._name(e)} must come next (an op makes all its outputs at once)")
-        if e < 0 and parts[i] is not None:
-            return (f"part {self._name(i)} of op {self._name(parts[i])} is computed without the op "
+        if e < 0 and op_of[i] != i:
+            return (f"part {self._name(i)} of op {self._name(op_of[i])} is computed without the op "
                     "(an op's parts are computed together, leader first)")
         nxt = i + 1
-        self.expect = nxt if nxt < len(parts) and parts[nxt] is not None else -1
+        self.expect = nxt if nxt < len(op_of) and op_of[nxt] != nxt else -1
         return None
 
     def free(self, i: int) -> str | None:
@@ -284,7 +284,7 @@ class SimState:
                 return f"swap_in of node {self._name(i)}, which is already resident"
             if self.expect >= 0:
                 return (f"swap_in of node {self._name(i)} between the parts of op "
-                        f"{self._name(self._parts[self.expect])} (compute part {self._name(self.expect)} first)")
+                        f"{self._name(self._op_of[self.expect])} (compute part {self._name(self.expect)} first)")
         if self.pending:
             self.settle()
         self._issue_transfer(i)

@@ -76,7 +76,7 @@ from remat.core.graph import Graph, Node
 
 from .base import Frontend, TraceContext, prepare, trace_with
 from .capture import CaptureError, quiet_torch_logs
-from .measuring import AllocatorWindow, StorageTracker, on_autograd_thread, storage_bytes, storage_key
+from .measuring import AllocatorWindow, StorageTracker, on_autograd_thread, storage_bytes, storage_key, unique_bytes
 from .profile import FlopsModel, Timer, is_random
 
 log = logging.getLogger(__name__)
@@ -547,15 +547,6 @@ def _last_consumer(prog: JointProgram) -> list:
     return last
 
 
-def distinct_storage_bytes(values) -> int:
-    """Bytes of the distinct storages of the tensors among `values`."""
-    seen: dict = {}
-    for t in values:
-        if isinstance(t, torch.Tensor):
-            seen[storage_key(t)] = storage_bytes(t)
-    return sum(seen.values())
-
-
 def steals_gradient(value: torch.Tensor, param: torch.Tensor, stealable: bool) -> bool:
     """Whether `value`, a parameter's first gradient of the step, becomes ``param.grad`` as it is
     (autograd's AccumulateGrad does the same: a gradient nobody else holds, laid out like the
@@ -612,8 +603,8 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
     with torch.no_grad(), tracker:
         for g in range(n):
             if prog.part_of[g] is not None:  # (its op ran at the leader; its bytes are its tensors')
-                values[g] = stash.pop(g)
-                profs[g].bytes = distinct_storage_bytes(values[g].values())
+                values[g] = run_node(g)
+                profs[g].bytes = unique_bytes(values[g].values())
                 for f in frees[g]:
                     values.pop(f, None)
                 continue
@@ -640,7 +631,7 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
             values[g] = local
             kept = sum(tracker.new_live(m0).values())
             p = profs[g]
-            p.bytes = kept - sum(distinct_storage_bytes(stash[q].values()) for q in prog.parts[g])
+            p.bytes = kept - sum(unique_bytes(stash[q].values()) for q in prog.parts[g])
             # on CUDA also what kernels allocate internally (cuDNN's workspaces, say)
             visible = tracker.peak_between(m0)
             p.workspace = max(0, visible - p.bytes) + alloc.hidden(visible)  # (with its later parts' bytes)
@@ -654,8 +645,8 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
         timer = Timer(device)
         with torch.no_grad():
             for g in range(n):
-                if prog.part_of[g] is not None:
-                    values[g] = stash.pop(g)
+                if prog.part_of[g] is not None:  # (nothing to time: its op ran at the leader)
+                    values[g] = run_node(g)
                     for f in frees[g]:
                         values.pop(f, None)
                     continue

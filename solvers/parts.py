@@ -79,18 +79,21 @@ def expand_schedule(co: Coarsening, merged: Schedule) -> Schedule:
     return sched
 
 
+def solve_merged(fn: Callable, graph: Graph, *args, **options) -> Schedule:
+    """``fn(graph, *args, **options)`` (a ``solve(graph, budget_bytes, **options)``) planned on
+    `graph`'s merged graph and expanded to its parts (module docstring)."""
+    co = merge(graph)
+    return expand_schedule(co, fn(co.graph, *args, **options))
+
+
 def on_merged(fn: Callable) -> Callable:
-    """`fn` (``solve(graph, budget_bytes, **options)``) for graphs with parts: planned on the
-    merged graph and expanded (module docstring); graphs without parts go to `fn` as they are."""
+    """`fn` for graphs with parts by `solve_merged`; graphs without parts go to `fn` as they are."""
     def solve(graph: Graph, *args, **options):
-        if not graph.has_parts:
-            return fn(graph, *args, **options)
-        co = merge(graph)
-        return expand_schedule(co, fn(co.graph, *args, **options))
+        return solve_merged(fn, graph, *args, **options) if graph.has_parts else fn(graph, *args, **options)
     solve.__doc__ = fn.__doc__
     solve.__name__ = getattr(fn, "__name__", "solve")
     solve.__wrapped__ = fn
     return solve
 
 
-__all__ = ["merge", "expand_ops", "expand_schedule", "on_merged", "MERGED_NOTE"]
+__all__ = ["merge", "expand_ops", "expand_schedule", "solve_merged", "on_merged", "MERGED_NOTE"]

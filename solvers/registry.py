@@ -3,7 +3,8 @@
 A solver module registers its strategies with ``@register("name", "one-line description")`` when
 it is imported; ``parts=True`` says the strategy plans graphs whose ops have several parts
 (`remat.core.graph`) itself; every other one is looked up wrapped in `remat.solvers.parts.on_merged`
-(it plans the merged graph, and its schedule is expanded to the parts); `remat.solvers` imports every solver module before it answers `get`, `names`
+(it plans the merged graph, and its schedule is expanded to the parts); `remat.solvers` imports
+every solver module before it answers `get`, `names`
 or `describe`.  Here the lookups answer for what is registered so far (a solver module that
 needs a baseline imports that baseline's module first).
 """
@@ -26,11 +27,13 @@ def register(name: str, description: str = "", parts: bool = False) -> Callable[
 
 
 def _merged(fn: Callable) -> Callable:
+    """`remat.solvers.parts.on_merged`, imported at the first graph with parts (that module imports
+    the ILP package, which imports this one)."""
     def solve(graph, *args, **options):
         if not graph.has_parts:
             return fn(graph, *args, **options)
-        from .parts import on_merged  # (imports the ILP package, which imports this module)
-        return on_merged(fn)(graph, *args, **options)
+        from .parts import solve_merged
+        return solve_merged(fn, graph, *args, **options)
     solve.__doc__, solve.__name__, solve.__wrapped__ = fn.__doc__, getattr(fn, "__name__", "solve"), fn
     return solve
 

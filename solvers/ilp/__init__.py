@@ -58,11 +58,11 @@ def solve(graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: flo
         raise InvalidInputError(f"--mode: expected 'auto', 'exact' or 'scalable', got {mode!r}")
     if mode == "scalable" or (mode == "auto" and graph.n > scalable.AUTO_THRESHOLD):
         if graph.has_parts and options.pop("parts", "native") == "merged":  # (`remat.solvers.parts`)
-            from remat.solvers.parts import on_merged
-            return on_merged(scalable.solve)(graph, budget_bytes, swap=swap, time_limit=time_limit, gap=gap,
-                                             threads=threads, backend=backend, bandwidth=bandwidth,
-                                             recompute_backward=recompute_backward, progress=progress, msg=msg,
-                                             use_instant_ip=use_instant_ip, **options)
+            from remat.solvers.parts import solve_merged
+            return solve_merged(scalable.solve, graph, budget_bytes, swap=swap, time_limit=time_limit, gap=gap,
+                                threads=threads, backend=backend, bandwidth=bandwidth,
+                                recompute_backward=recompute_backward, progress=progress, msg=msg,
+                                use_instant_ip=use_instant_ip, **options)
         return scalable.solve(graph, budget_bytes, swap=swap, time_limit=time_limit, gap=gap, threads=threads,
                               backend=backend, bandwidth=bandwidth, recompute_backward=recompute_backward,
                               progress=progress, msg=msg, use_instant_ip=use_instant_ip, **options)
