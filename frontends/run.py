@@ -3,7 +3,8 @@
 
 Each step draws a fresh random batch shaped like the example (floating tensors ``randn``,
 integer tensors uniform in ``[0, max(example) + 1)``, so token ids stay in the vocabulary), runs
-``loss = planned(*batch); loss.backward(); optimizer.step()`` with plain SGD, and measures the
+``loss = planned(*batch); loss.backward(); optimizer.step()`` with plain SGD (natively,
+``planned(*batch)`` is ``loss_fn(model(*batch), *batch)`` on the hooked model), and measures the
 step's peak device bytes and wall time with `remat.measure`.  Gradients are zeroed as the graph
 was traced for (`gradients_to_none`): with ``meta["grads"] == "accumulated"`` by PyTorch's
 default ``zero_grad()`` (set to None: each step allocates them in its backward, the backward
@@ -27,6 +28,7 @@ from remat.core.errors import InvalidInputError
 from remat.core.plan import Plan
 
 from .applying import apply
+from .native import NativeExecution
 from .measuring import Measurement, measure
 from .base import default_loss, split_inputs
 
@@ -50,6 +52,9 @@ class RunReport:
     steps: list[Measurement] = field(default_factory=list)
     plain_steps: list[Measurement] = field(default_factory=list)
     host_peak_bytes: int = 0
+    executor: str = "interpreter"
+    # what the executor that ran predicts (the plan's own figures; natively, `NativeExecution.predicted`)
+    predicted: dict = field(default_factory=dict)
 
     @property
     def plain(self) -> Measurement | None:
@@ -72,7 +77,7 @@ class RunReport:
     @property
     def peak_error(self) -> float:
         """(measured - predicted) / predicted peak."""
-        pred = self.plan.predicted["peak_bytes"]
+        pred = (self.predicted or self.plan.predicted)["peak_bytes"]
         return (self.peak_bytes - pred) / pred if pred else 0.0
 
 
@@ -95,11 +100,12 @@ def random_batch(example: Any, generator: torch.Generator | None = None,
 
 def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: int = 3,
              device: "str | torch.device | None" = None, lr: float = 1e-3, loss_fn: Callable | None = None,
-             plain: bool = True, seed: int = 0, on_step: Callable[[int, float, Measurement], None] | None = None
-             ) -> RunReport:
+             plain: bool = True, seed: int = 0, on_step: Callable[[int, float, Measurement], None] | None = None,
+             executor: str = "interpreter") -> RunReport:
     """Train `steps` steps of `model` with `plan` on random batches; measure each (see the
     module docstring).  `device` defaults to where the parameters are; the model and the
-    example move there.  `on_step(k, loss, measurement)` is called after each step."""
+    example move there.  `on_step(k, loss, measurement)` is called after each step.
+    `executor`: as `remat.apply`'s; a native execution's hooks come off before the plain steps."""
     if not isinstance(steps, int) or steps < 1:
         raise InvalidInputError(f"--steps: must be a whole number >= 1, got {steps!r}")
     dev = torch.device(device) if device is not None else next(model.parameters()).device
@@ -111,14 +117,17 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
     if kwargs:
         raise InvalidInputError("remat run: keyword example inputs are not supported; pass positional inputs")
     loss_fn = loss_fn or default_loss
-    planned = apply(model, plan, tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, args), loss_fn)
+    planned = apply(model, plan, tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, args), loss_fn,
+                    executor=executor)
+    native = isinstance(planned, NativeExecution)
     # batches are drawn from host templates: a device copy of the example would stay resident
     # beside each batch, one batch more than the plan counts
     args = tree_map(lambda x: x.detach().to("cpu") if isinstance(x, torch.Tensor) else x, args)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    report = RunReport(plan, str(dev))
+    report = RunReport(plan, str(dev), executor="native" if native else "interpreter",
+                       predicted=dict(planned.predicted) if native else dict(plan.predicted))
     to_none = gradients_to_none(plan)
 
     def fixed(batch: tuple) -> list:
@@ -143,6 +152,9 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
         report.host_peak_bytes = max(report.host_peak_bytes, planned.host_peak_bytes)
         if on_step is not None:
             on_step(k, report.losses[-1], m)
+    if native:
+        report.predicted = dict(planned.predicted)  # (after what the steps observed: `NativeExecution.held`)
+        planned.remove()
     for _ in range(steps if plain else 0):
         batch = random_batch(args, gen, dev)
         opt.zero_grad(set_to_none=to_none)

@@ -59,6 +59,8 @@ def solver_options(args: argparse.Namespace) -> dict:
         opts["backend"] = args.backend
     if args.mode != "auto":
         opts["mode"] = args.mode
+    if getattr(args, "executor", None) == "native":  # (`remat run --executor native` plans in that class too)
+        opts["executor"] = "native"
     return opts
 
 
@@ -394,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solver", default="ilp", help="solver name (default ilp; see `remat solvers`)")
     _add_solver_options(p, 60.0)
     p.add_argument("--no-progress", action="store_true", help="no ILP progress line on stderr")
+    p.add_argument("--executor", choices=("any", "native"), default="any",
+                   help="native: a plan the model's own code runs (remat.apply(..., executor='native'); "
+                   "module granularity: no recomputation in the forward, glue ops never recomputed)")
     p.add_argument("-o", "--output", required=True, metavar="PLAN.json", help="where to write the plan")
     _add_trace_options(p)
     p.set_defaults(func=cmd_plan)
@@ -434,6 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", default=None, help="one example's shape without the batch, e.g. 3,224,224")
     p.add_argument("--full", action="store_true", help="zoo models at their published size")
     p.add_argument("--no-plain", action="store_true", help="skip the plain autograd step")
+    p.add_argument("--executor", choices=("interpreter", "native", "auto"), default="interpreter",
+                   help="how the plan runs: interpreter (the captured ops replayed, the default), native (the "
+                   "model's own code with hooks; with --budget it plans for it), auto (native when the plan fits "
+                   "that way)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while tracing")
     p.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="with --budget: write the plan")
     _add_trace_options(p)

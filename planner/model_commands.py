@@ -186,6 +186,19 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
             p.save(args.output)
             print(f"wrote      {args.output}")
     pr, s = p.predicted, p.solver
+    executor = getattr(args, "executor", "interpreter")
+    if executor != "interpreter":  # what runs natively is what that execution predicts (`NativeExecution`)
+        from remat.frontends.applying import native_refusal
+        why = native_refusal(p)
+        if why is None or executor == "native":
+            from remat.core import native
+            sched, kept = native.nativize(p.graph, p.schedule)
+            pr = {**pr, "peak_bytes": native.native_peak(p.graph, sched)}
+            print("executor   native (the model's own code with hooks)"
+                  + (f"; kept resident where the plan recomputes: {', '.join(kept)}" if kept else ""))
+        else:
+            executor = "interpreter"
+            print(f"executor   interpreter: {why}")
     unit = "s" if p.graph.meta.get("profiler") == "measure" else "s (flops model)"
     print(f"plan       {s.get('name')}: {s.get('status')}, budget {format_bytes(p.budget_bytes)}, predicted peak "
           f"{format_bytes(pr['peak_bytes'])}, host {format_bytes(pr['host_peak_bytes'])}, time {pr['time']:.4g} {unit} "
@@ -196,7 +209,8 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
         print(f"step {k:<5} loss {loss:.6g}  peak {format_bytes(m.peak_bytes)} ({100 * err:+.1f}% of predicted)  "
               f"time {m.time * 1e3:.4g} ms")
     rep = run_plan(model, inputs, p, steps=args.steps, device=args.device, lr=args.lr, plain=not args.no_plain,
-                   on_step=show)
+                   on_step=show, executor=executor)
+    pr = {**pr, "peak_bytes": rep.predicted.get("peak_bytes", pr["peak_bytes"])}
     print(f"measured   peak {format_bytes(rep.peak_bytes)} vs predicted {format_bytes(pr['peak_bytes'])} "
           f"({100 * rep.peak_error:+.1f}%), budget {format_bytes(p.budget_bytes)}, host {format_bytes(rep.host_peak_bytes)} "
           f"vs predicted {format_bytes(pr['host_peak_bytes'])}; median step {rep.step_time * 1e3:.4g} ms on {rep.device}")

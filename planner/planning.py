@@ -30,7 +30,8 @@ MIN_BUDGET_TIME_LIMIT = 10.0
 
 
 def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", *, swap: bool | None = None,
-         time_limit: float = 60.0, gap: float = 0.0, explain: bool = True, **options: Any) -> Plan:
+         time_limit: float = 60.0, gap: float = 0.0, explain: bool = True, executor: str = "any",
+         **options: Any) -> Plan:
     """Plan `graph` (a Graph or a path to a graph.json) to fit `budget` with the named solver.
 
     `budget` is anything `parse_budget` reads (``"6GiB"``, ``"0.5x"``, bytes).  ``swap``
@@ -39,8 +40,12 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
     not use an option ignore it.  Raises `InfeasibleBudgetError` naming the smallest feasible
     budget found when no schedule fits (``explain=False``: the solver's own error, without the
     search for that budget; for callers that probe many budgets), `InvalidInputError` for a bad
-    budget or solver name.
+    budget or solver name.  ``executor="native"``: a plan in the native class
+    (`remat.core.native`, what ``remat.apply(..., executor="native")`` runs in the model's own
+    code), `native_plan`.
     """
+    if executor not in EXECUTORS:
+        raise InvalidInputError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
     if not isinstance(graph, Graph):
         graph = Graph.load(graph)
     graph = _with_bandwidth(graph, options)
@@ -48,10 +53,76 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
     budget_bytes = parse_budget(budget, graph)
     schedule, res, wall = _solve(graph, budget_bytes, solver, explain, swap=swap, time_limit=time_limit, gap=gap,
                                  **options)
+    extra: dict = {}
+    if executor == "native":
+        schedule, res, wall, extra = native_plan(graph, budget_bytes, solver, schedule, wall, swap=swap,
+                                                 time_limit=time_limit, gap=gap, **options)
     report = _solver_block(schedule.report, solver, wall,
                            {"swap": swap, "time_limit": time_limit, "gap": gap, **options})
+    if executor == "native":
+        report["options"]["executor"] = "native"
     schedule.report = dict(report)
-    return Plan(graph, schedule, budget_bytes, report, predicted_from(graph, res))
+    return Plan(graph, schedule, budget_bytes, report, {**predicted_from(graph, res), **extra})
+
+
+EXECUTORS = ("any", "native")
+NATIVE_TRIES = 4   # solves at lower budgets until the native schedule fits
+
+
+def native_plan(graph: Graph, budget_bytes: int, solver: str, schedule: Schedule, wall: float,
+                **options: Any) -> tuple[Schedule, SimResult, float, dict]:
+    """The solver's `schedule` made native (`remat.core.native.nativize`: nodes the native class
+    cannot recompute kept resident instead); where that, with the model's returned outputs held
+    to the step's end (`native.native_peak`), is over the budget, the solver again at the
+    budget less what nativizing added to its peak, up to `NATIVE_TRIES` times, until one fits.  The report keeps the first solve's lower bound (every native schedule is a schedule)
+    and says "feasible" where the native schedule is slower than the plan it came from.
+    Returns (schedule, its simulation, wall seconds, {"native_peak_bytes": ...}).  Raises
+    `InvalidInputError` for a graph the native class does not cover, `InfeasibleBudgetError`
+    where no try fits."""
+    from remat.core import native
+    why = native.obstacle(graph, schedule)
+    if why is not None and why.startswith("it is a plan of granularity"):
+        raise InvalidInputError(f"executor='native': {why}; trace with granularity='module'")
+    first = dict(schedule.report or {})
+    target, best, tries = budget_bytes, None, []
+    for attempt in range(NATIVE_TRIES):
+        if attempt:
+            t0 = time.perf_counter()
+            try:
+                schedule, _, _ = _solve(graph, target, solver, False, **options)
+            except InfeasibleBudgetError:
+                break
+            wall += time.perf_counter() - t0
+        sched, kept = native.nativize(graph, schedule)
+        res = simulate(graph, sched)
+        ok = res.valid and native.obstacle(graph, sched) is None
+        peak = native.native_peak(graph, sched) if ok else None
+        tries.append({"budget_bytes": target, "native_peak_bytes": peak, "kept": kept})
+        if not ok:
+            break
+        if peak <= budget_bytes:
+            best = (sched, res, peak, kept)
+            break
+        # what nativizing added to the solver's own peak, taken off the budget it is given next
+        added = peak - simulate(graph, schedule).peak_bytes
+        target = min(target - (peak - budget_bytes), budget_bytes - added)
+        if target <= 0:
+            break
+    if best is None:
+        raise InfeasibleBudgetError(
+            f"no native schedule found within {format_bytes_exact(budget_bytes)} ({len(tries)} tries; the native "
+            "class keeps glue nodes resident and runs the forward once): raise the budget, or apply a plan "
+            "with executor='interpreter'", budget_bytes=budget_bytes)
+    sched, res, peak, kept = best
+    report = dict(first)
+    if kept or res.time > first.get("objective", res.time) + 1e-12:
+        if report.get("status") == "optimal":
+            report["status"] = "feasible"
+        report["native_note"] = (f"native class: {', '.join(kept)} kept resident (not recomputable natively); "
+                                 "the bound is the unconstrained plan's")
+    report["native_tries"] = tries
+    sched.report = report
+    return sched, res, wall, {"native_peak_bytes": peak}
 
 
 def default_swap(graph: Graph, solver: str) -> bool:

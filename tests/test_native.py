@@ -1,0 +1,255 @@
+"""Native eager execution (`remat.apply(..., executor="native")`): the model's own code, in the
+user's own loop, follows a module-level plan; gradients, buffers and RNG equal plain autograd's,
+the measured peak follows the prediction of what runs (`remat.core.native`)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+
+import remat  # noqa: E402
+from remat.core import native  # noqa: E402
+from remat.core.errors import InfeasibleBudgetError, InvalidInputError  # noqa: E402
+from remat.core.schedule import Op, Schedule  # noqa: E402
+from remat.core.simulate import simulate  # noqa: E402
+from remat.frontends import apply, default_loss, measure_peak, zoo  # noqa: E402
+from remat.frontends.native import NativeExecution  # noqa: E402
+from remat.core.analysis import forced_need  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# measured <= predicted + this (the step's own few bytes, a rounding of the CPU allocator's view)
+OVER_TOLERANCE = 0.01
+# measured >= predicted - this: natively autograd frees a gradient inside the backward of its
+# consumer, which the module graph (fitted to the interpreter) counts alive through it
+UNDER_TOLERANCE = 0.06
+
+
+class DropoutMLP(nn.Module):
+    """Blocks of Linear-ReLU-Dropout held in a Sequential of Sequentials: the outer loop holds
+    each block's input while the block runs (what `NativeExecution.held` observes)."""
+
+    def __init__(self, width: int = 64, layers: int = 6):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Dropout(0.1))
+                                      for _ in range(layers)])
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        return self.head(self.layers(x))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return DropoutMLP(), (torch.randn(32, 64),)
+
+
+def _resnet():
+    torch.manual_seed(0)
+    m, x = zoo.get("resnet18", batch=8, image_size=64)
+    return m, (x if isinstance(x, tuple) else (x,))
+
+
+def _gpt():
+    torch.manual_seed(0)
+    m, x = zoo.get("gpt2")
+    return m, (x if isinstance(x, tuple) else (x,))
+
+
+MODELS = {"mlp-dropout": _mlp, "resnet18-batchnorm": _resnet, "gpt2-dropout": _gpt}
+
+
+def _native_plan(graph, fraction: float):
+    """A native plan at `fraction` of the room between what every schedule holds and the 1.0x
+    peak, or at the nearest larger budget where one exists."""
+    low, full = forced_need(graph), remat.plan(graph, "1.0x", solver="checkpoint-all").predicted["peak_bytes"]
+    for f in (fraction, fraction + 0.2, fraction + 0.4, 1.0):
+        try:
+            return remat.plan(graph, int(low + f * (full - low)), solver="ilp", swap=False, time_limit=20,
+                              executor="native")
+        except InfeasibleBudgetError:
+            continue
+    raise AssertionError("no native plan")
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def traced(request):
+    model, inputs = MODELS[request.param]()
+    model.train()
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
+    plans = {"1.0x": remat.plan(graph, "1.0x", solver="ilp", swap=False, time_limit=20),
+             "0.5x": _native_plan(graph, 0.5), "0.2x": _native_plan(graph, 0.2)}
+    return request.param, model, inputs, graph, plans
+
+
+def _loop_step(model, inputs):
+    """The user's own loop, unchanged: forward, loss, backward."""
+    out = model(*inputs)
+    loss = default_loss(out, *inputs)
+    loss.backward()
+    return loss
+
+
+def _plain_and_native(model, inputs, plan):
+    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
+    ex = apply(mine, plan, executor="native")
+    rng = torch.get_rng_state()
+    loss_ref = _loop_step(ref, inputs)
+    torch.set_rng_state(rng)   # the same dropout masks
+    loss = _loop_step(mine, inputs)
+    return ref, mine, ex, loss_ref, loss
+
+
+def test_native_plans_recompute_and_stay_in_the_native_class(traced):
+    name, model, inputs, graph, plans = traced
+    counts = simulate(graph, plans["0.2x"].schedule).compute_counts
+    assert any(counts[v.id] > 1 for v in graph.nodes if v.kind == "forward"), name
+    for plan in plans.values():
+        assert native.obstacle(graph, plan.schedule) is None, name
+        assert plan.predicted.get("native_peak_bytes", 0) <= plan.budget_bytes or plan is plans["1.0x"]
+
+
+@pytest.mark.parametrize("budget", ["1.0x", "0.5x", "0.2x"])
+def test_gradients_buffers_and_loss_equal_plain_autograd(traced, budget):
+    name, model, inputs, graph, plans = traced
+    ref, mine, ex, loss_ref, loss = _plain_and_native(model, inputs, plans[budget])
+    assert torch.equal(loss, loss_ref), (name, loss.item(), loss_ref.item())
+    for (n, p), q in zip(ref.named_parameters(), mine.parameters()):
+        assert q.grad is not None, n
+        assert torch.equal(q.grad, p.grad), (name, n, (q.grad - p.grad).abs().max())
+    for (n, b), c in zip(ref.named_buffers(), mine.buffers()):  # BatchNorm's statistics move once
+        assert torch.equal(b, c), (name, n)
+
+
+def _measured(model, inputs, plan):
+    mine = copy.deepcopy(model)
+    ex = apply(mine, plan, executor="native")
+    _loop_step(mine, inputs)   # the first step: what the model's code holds is observed (`held`)
+    mine.zero_grad(set_to_none=True)
+    resident = list(mine.parameters()) + list(mine.buffers()) + list(inputs)
+    return measure_peak(lambda: _loop_step(mine, inputs), resident=resident), ex
+
+
+def test_measured_peak_follows_the_native_prediction_and_the_budget(traced):
+    name, model, inputs, graph, plans = traced
+    peaks = {}
+    for budget, plan in plans.items():
+        peaks[budget], ex = _measured(model, inputs, plan)
+        predicted = ex.predicted["peak_bytes"]
+        assert peaks[budget] <= predicted * (1 + OVER_TOLERANCE), (name, budget, peaks[budget], predicted)
+        assert peaks[budget] >= predicted * (1 - UNDER_TOLERANCE), (name, budget, peaks[budget], predicted)
+        assert peaks[budget] <= plan.budget_bytes * (1 + OVER_TOLERANCE), (name, budget, peaks[budget])
+    assert peaks["0.2x"] <= peaks["0.5x"] <= peaks["1.0x"], (name, peaks)
+
+
+def test_several_steps_with_an_optimizer_match_plain_training():
+    model, inputs = _resnet()
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
+    plan = _native_plan(graph, 0.3)
+    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
+    apply(mine, plan, executor="native")
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    opt = torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9)
+    for _ in range(3):
+        for m, o in ((ref, opt_ref), (mine, opt)):
+            o.zero_grad()
+            _loop_step(m, inputs)
+            o.step()
+    for (n, a), b in zip(ref.state_dict().items(), mine.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_eval_no_grad_and_remove_run_the_plain_model():
+    model, inputs = _resnet()
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
+    plan = _native_plan(graph, 0.3)
+    mine = copy.deepcopy(model)
+    ex = apply(mine, plan, executor="native")
+    with torch.no_grad():
+        a = default_loss(mine(*inputs), *inputs)
+        assert ex.step is None          # (nothing recorded)
+    mine.eval()
+    b = default_loss(mine(*inputs), *inputs)
+    assert ex.step is None and b.requires_grad
+    mine.train()
+    hooks = len(mine._forward_pre_hooks)
+    ex.remove()
+    assert len(mine._forward_pre_hooks) == hooks - 1
+    ref = copy.deepcopy(model)
+    torch.manual_seed(3)
+    c = _loop_step(mine, inputs)
+    torch.manual_seed(3)
+    assert torch.equal(c, _loop_step(ref, inputs)) and torch.isfinite(a)
+
+
+def test_the_models_code_holding_a_freed_block_input_is_observed_and_predicted():
+    # nn.Sequential of Sequentials: the outer loop's local holds block k's input until block k
+    # returns, past the plan's free of it after block k's first layer
+    model, inputs = _mlp()
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
+    plan = _native_plan(graph, 0.0)
+    peak, ex = _measured(model, inputs, plan)
+    names = {ex.specs[v].name for v in ex.held}
+    assert names and all(n.endswith(".2") for n in names), names   # (the Dropout ending each block)
+    assert all(j > v and nbytes > 0 for v, (j, nbytes) in ex.held.items())
+    assert ex.predicted["peak_bytes"] == native.native_peak(graph, ex.schedule, ex.held) >= \
+        native.native_peak(graph, ex.schedule)
+    assert peak <= ex.predicted["peak_bytes"] * (1 + OVER_TOLERANCE)
+
+
+def test_swap_plans_run_natively_and_move_their_bytes_to_the_host():
+    model, inputs = _gpt()
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
+    full = remat.plan(graph, "1.0x", solver="checkpoint-all").predicted["peak_bytes"]
+    low = forced_need(graph)
+    plan = remat.plan(graph, int(low + 0.3 * (full - low)), solver="ilp", swap=True, bandwidth=1e13,
+                      time_limit=20, executor="native")
+    assert any(o.op == "swap_out" for o in plan.schedule.ops)
+    ref, mine, ex, loss_ref, loss = _plain_and_native(model, inputs, plan)
+    assert torch.equal(loss, loss_ref)
+    for p, q in zip(ref.parameters(), mine.parameters()):
+        assert torch.equal(q.grad, p.grad)
+    assert ex.host_peak_bytes == plan.predicted["host_peak_bytes"] > 0
+
+
+def test_plans_outside_the_native_class_are_named_or_kept_resident(caplog):
+    model, inputs = _gpt()
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
+    n_fwd = len(graph.forward_ids())
+    loss = next(v.id for v in graph.nodes if v.kind == "loss")
+    bwd = {v.extra["forward"]: v.id for v in graph.nodes if v.kind == "backward"}
+    # keep everything, but free and recompute block h.0 inside the forward, before h.1
+    h0 = next(v.id for v in graph.nodes if v.name == "transformer.h.0")
+    ops = [Op("compute", v) for v in range(h0 + 1)] + [Op("free", h0), Op("compute", h0)]
+    ops += [Op("compute", v) for v in range(h0 + 1, n_fwd)] + [Op("compute", loss)]
+    ops += [Op("compute", bwd[v]) for v in reversed(range(n_fwd))]
+    sched = Schedule(ops)
+    assert simulate(graph, sched).valid
+    assert "during the forward" in native.obstacle(graph, sched)
+    fixed, kept = native.nativize(graph, sched)
+    assert kept == ["transformer.h.0"] and native.obstacle(graph, fixed) is None
+    assert simulate(graph, fixed).time < simulate(graph, sched).time
+    # a joint graph's plan is refused by the native executor with what to do instead
+    joint = remat.trace(model, inputs, profile="flops", granularity="joint")
+    jplan = remat.plan(joint, "1.0x", solver="checkpoint-all")
+    with pytest.raises(InvalidInputError, match="executor='interpreter'"):
+        apply(copy.deepcopy(model), jplan, executor="native")
+    with pytest.raises(InvalidInputError, match="granularity='module'"):
+        remat.plan(joint, "1.0x", solver="checkpoint-all", executor="native")
+    # "auto" runs it with the interpreter and says why
+    with caplog.at_level("INFO"):
+        planned = apply(copy.deepcopy(model), jplan, inputs, executor="auto")
+    assert not isinstance(planned, NativeExecution) and "cannot run natively" in caplog.text
+    with pytest.raises(InvalidInputError, match="executor"):
+        apply(model, jplan, executor="eager")
+
+
+def test_remat_run_executor_native(tmp_path, capsys):
+    from remat.cli import main
+    rc = main(["run", "gpt2", "--granularity", "module", "--budget", "1.0x", "--no-swap", "--steps", "1",
+               "--executor", "native", "--time-limit", "10", "--no-progress", "--profile", "flops"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "executor   native" in out and "measured" in out
