@@ -253,3 +253,48 @@ def test_remat_run_executor_native(tmp_path, capsys):
                "--executor", "native", "--time-limit", "10", "--no-progress", "--profile", "flops"])
     out = capsys.readouterr().out
     assert rc == 0 and "executor   native" in out and "measured" in out
+
+
+def _hf_gpt2(use_cache: bool):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=512, n_positions=64, use_cache=use_cache,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def test_a_transformers_model_trains_natively_with_its_own_loss():
+    # the loop of a transformers user: `model(**batch).loss.backward()`
+    model, batch = _hf_gpt2(use_cache=False)
+    graph = remat.trace(model, batch, loss_fn=lambda out, *a: out.loss, granularity="module", progress=False)
+    plan = remat.plan(graph, "0.75x", swap=False, time_limit=10, executor="native")
+    assert max(simulate(graph, plan.schedule).compute_counts) > 1
+    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
+    ex = apply(mine, plan, executor="native")
+    rng = torch.get_rng_state()
+    ref(**batch).loss.backward()
+    torch.set_rng_state(rng)
+    mine(**batch).loss.backward()
+    for (n, p), q in zip(ref.named_parameters(), mine.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    mine.zero_grad(set_to_none=True)
+
+    def step():
+        out = mine(**batch)      # (the loop holds the output, logits included, to the step's end)
+        out.loss.backward()
+    peak = measure_peak(step, resident=list(mine.parameters()) + list(mine.buffers()) + [batch["input_ids"]])
+    assert peak <= ex.predicted["peak_bytes"] * (1 + OVER_TOLERANCE)
+    assert peak >= ex.predicted["peak_bytes"] * (1 - UNDER_TOLERANCE)
+
+
+def test_a_recomputed_module_called_with_a_cache_is_a_clear_error():
+    # transformers' DynamicCache: a recomputation would append to it a second time
+    model, batch = _hf_gpt2(use_cache=True)
+    graph = remat.trace(model, batch, loss_fn=lambda out, *a: out.loss, granularity="module", progress=False)
+    plan = remat.plan(graph, "0.75x", swap=False, time_limit=10, executor="native")
+    mine = copy.deepcopy(model)
+    apply(mine, plan, executor="native")
+    with pytest.raises(InvalidInputError, match="use_cache=False"):
+        mine(**batch)

@@ -17,8 +17,13 @@ def test_the_quickstart_runs_as_written(tmp_path, monkeypatch, capsys):
     pytest.importorskip("torch")
     text = README.read_text()
     section = text[text.index("## Quickstart"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    first, native = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md (quickstart)", "exec"), {"__name__": "__quickstart__"})
+    scope = {"__name__": "__quickstart__"}
+    exec(compile(first, "README.md (quickstart)", "exec"), scope)
     # (a plan proven optimal, or one with its gap: the joint graph's per-tensor model is larger)
     assert capsys.readouterr().out.split()[0] in ("optimal", "feasible") and (tmp_path / "plan.json").exists()
+    # the native loop after it, in the same session: the model's own forward, trained by the plan
+    exec(compile(native, "README.md (native)", "exec"), scope)
+    assert scope["run"].plan.predicted["native_peak_bytes"] <= scope["plan"].budget_bytes
+    assert scope["loss"].requires_grad and scope["model"].net.conv1.weight.grad is not None
