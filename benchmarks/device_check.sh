@@ -5,13 +5,14 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pulp==3.3.2 highspy==1.16.0
 #   1. installs them and remat into /tmp/site (no network there),
-#   2. the CUDA tests of tests/test_executor.py,
+#   2. the CUDA tests of tests/test_executor.py and tests/test_native.py,
 #   3. benchmarks/gpu_swap_timeline.py (the swap test's plans op by op),
 #   4. benchmarks/gpu_check.py --timeline (plans on CUDA against max_memory_allocated, step times,
 #      and op-by-op bytes), then again at batch 256 (gpu_check_big.csv: step times with larger kernels),
-#   5. the default suite on 14 workers, to see what differs with a GPU present.
-# Every part has its own time cap (T_TESTS, T_SWAP, T_CHECK, T_BIG, T_SUITE seconds; 0 skips the
-# swap timeline, the large batch or the suite); the log is device.log, figures beside it, in $OUT
+#   5. benchmarks/executor_speed.py on CUDA (native execution against the interpreter and plain),
+#   6. the default suite on 14 workers, to see what differs with a GPU present.
+# Every part has its own time cap (T_TESTS, T_SWAP, T_CHECK, T_BIG, T_NATIVE, T_SUITE seconds; 0
+# skips the swap timeline, the large batch, the native comparison or the suite); the log is device.log, figures beside it, in $OUT
 # (default benchmarks/out/device): at most 8 files, what the device tool brings back.
 # The defaults add up to about 8.5 minutes with the install: within one device call of 10.
 set -u
@@ -21,8 +22,9 @@ export PYTHONUNBUFFERED=1
 T_TESTS=${T_TESTS:-90}
 T_SWAP=${T_SWAP:-90}
 T_CHECK=${T_CHECK:-120}
-T_BIG=${T_BIG:-90}
-T_SUITE=${T_SUITE:-100}
+T_BIG=${T_BIG:-60}
+T_SUITE=${T_SUITE:-40}
+T_NATIVE=${T_NATIVE:-90}
 start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 
@@ -37,8 +39,14 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
 } 2>&1 | tee "$OUT/device.log"
 
 stamp "CUDA tests"
-timeout "$T_TESTS" python3 -m pytest -p no:cacheprovider -q -rs --show-capture=no tests/test_executor.py -k cuda 2>&1 \
-  | tee -a "$OUT/device.log"
+timeout "$T_TESTS" python3 -m pytest -p no:cacheprovider -q -rs --show-capture=no tests/test_executor.py \
+  tests/test_native.py -k cuda 2>&1 | tee -a "$OUT/device.log"
+
+if [ "$T_NATIVE" -gt 0 ]; then
+stamp "native against the interpreter and plain autograd (short GPU steps)"
+timeout "$T_NATIVE" python3 benchmarks/executor_speed.py --device cuda --cases gpt2,resnet50 --steps 9 \
+  --out "$OUT/executor_speed_cuda.csv" 2>&1 | tee -a "$OUT/device.log"
+fi
 
 if [ "$T_SWAP" -gt 0 ]; then
 stamp "swap timeline"

@@ -15,6 +15,7 @@ checkpointing's at the same peak.
     python benchmarks/vs_checkpoint.py                 # GPT-2 (zoo, 4 layers, batch 16, seq 256), ResNet-50 (batch 8, 64 px)
     python benchmarks/vs_checkpoint.py --cases gpt2 --steps 5
     python benchmarks/vs_checkpoint.py --granularity joint --out benchmarks/out/vs_checkpoint_joint.csv
+    python benchmarks/vs_checkpoint.py --executor native --out benchmarks/out/vs_checkpoint_native.csv
 """
 from __future__ import annotations
 
@@ -46,45 +47,54 @@ COLUMNS = ("case", "granularity", "nodes", "plain_peak", "plain_s", "ckpt_peak",
            "tightest_predicted_peak", "tightest_over_ckpt_peak", "at_ckpt_over_ckpt_time")
 
 
-def tightest_plan(graph, ceiling: int, time_limit: float, probes: int = 6):
+def tightest_plan(graph, ceiling: int, time_limit: float, probes: int = 6, **options):
     """The plan at the smallest budget the planner finds: what every schedule must hold
     (`analysis.forced_need`) when it plans there, else the budget the infeasibility message names,
     else (no plan in the time limit) a bisection between the forced need and `ceiling`."""
     low = forced_need(graph)
     try:
-        return remat.plan(graph, low, swap=False, time_limit=time_limit)
+        return remat.plan(graph, low, swap=False, time_limit=time_limit, **options)
     except InfeasibleBudgetError as e:
         if e.min_feasible_bytes is not None:
-            return remat.plan(graph, e.min_feasible_bytes, swap=False, time_limit=time_limit)
+            try:
+                return remat.plan(graph, e.min_feasible_bytes, swap=False, time_limit=time_limit, **options)
+            except (InfeasibleBudgetError, SolverError):
+                pass
     except SolverError:
         pass
-    best = remat.plan(graph, ceiling, swap=False, time_limit=time_limit)
+    best = remat.plan(graph, ceiling, swap=False, time_limit=time_limit, **options)
     hi = ceiling
     for _ in range(probes):
         mid = (low + hi) // 2
         try:
-            best, hi = remat.plan(graph, mid, swap=False, time_limit=time_limit), mid
+            best, hi = remat.plan(graph, mid, swap=False, time_limit=time_limit, **options), mid
         except (InfeasibleBudgetError, SolverError):
             low = mid
     return best
 
 
-def run_case(case: str, steps: int, time_limit: float, granularity: str = "module") -> dict:
+def run_case(case: str, steps: int, time_limit: float, granularity: str = "module",
+             executor: str = "interpreter") -> dict:
     name, kw, depth = CASES[case]
     model, example = zoo.get(name, **kw)
     example = example if isinstance(example, tuple) else (example,)
     dev = torch.device("cpu")
     plain_s, plain_peak = time_steps(model, example, dev, steps, set_to_none=True)
     ckpt_s, ckpt_peak = time_steps(checkpoint_every_block(model), example, dev, steps, set_to_none=True)
-    graph = remat.trace(model, example, depth=depth, name=case, granularity=granularity)
-    row = {"case": case, "granularity": granularity, "nodes": graph.n, "plain_peak": plain_peak, "plain_s": plain_s, "ckpt_peak": ckpt_peak,
-           "ckpt_s": ckpt_s}
-    plans = {"at_ckpt": remat.plan(graph, ckpt_peak, swap=False, time_limit=time_limit)}
-    plans["tightest"] = tightest_plan(graph, ckpt_peak, time_limit)
+    native = executor == "native"   # (the model's own code: module calls recomputed whole, at depth auto)
+    graph = remat.trace(model, example, depth="auto" if native else depth, name=case, granularity=granularity)
+    row = {"case": case, "granularity": granularity + (" native" if native else ""), "nodes": graph.n,
+           "plain_peak": plain_peak, "plain_s": plain_s, "ckpt_peak": ckpt_peak, "ckpt_s": ckpt_s}
+    opts = {"executor": "native"} if native else {}
+    try:
+        plans = {"at_ckpt": remat.plan(graph, ckpt_peak, swap=False, time_limit=time_limit, **opts)}
+    except InfeasibleBudgetError:   # (blocks as atoms: their inputs and insides go together)
+        plans = {"at_ckpt": tightest_plan(graph, plain_peak, time_limit, **opts)}
+    plans["tightest"] = tightest_plan(graph, ckpt_peak, time_limit, **opts)
     for key, plan in plans.items():
-        rep = run_plan(copy.deepcopy(model), example, plan, steps=steps, plain=False)
+        rep = run_plan(copy.deepcopy(model), example, plan, steps=steps, plain=False, executor=executor)
         row[f"{key}_peak"], row[f"{key}_s"] = rep.peak_bytes, rep.step_time
-        row[f"{key}_predicted_peak"] = plan.predicted["peak_bytes"]
+        row[f"{key}_predicted_peak"] = rep.predicted["peak_bytes"]
         if key == "at_ckpt":
             row["at_ckpt_predicted_overhead"] = plan.predicted["overhead"]
     row["tightest_over_ckpt_peak"] = row["tightest_peak"] / ckpt_peak
@@ -106,13 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--granularity", choices=("module", "joint"), default="module")
+    ap.add_argument("--executor", choices=("interpreter", "native"), default="interpreter",
+                    help="native: module-level plans at depth auto run in the model's own code")
     ap.add_argument("--out", default="benchmarks/out/vs_checkpoint.csv")
     args = ap.parse_args(argv)
     steady_malloc()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [run_case(c.strip(), args.steps, args.time_limit, args.granularity) for c in args.cases.split(",")
-            if c.strip()]
+    rows = [run_case(c.strip(), args.steps, args.time_limit, args.granularity, args.executor)
+            for c in args.cases.split(",") if c.strip()]
     write_csv(args.out, COLUMNS, rows)
     return 0
 

@@ -567,6 +567,28 @@ class NativeExecution:
         return None
 
     def _pre(self, module, args, kwargs):
+        try:
+            return self._pre_call(module, args, kwargs)
+        except BaseException:
+            self._abort()
+            raise
+
+    def _post(self, module, args, out):
+        try:
+            return self._post_call(module, args, out)
+        except BaseException:
+            self._abort()
+            raise
+
+    def _abort(self) -> None:
+        """A failed forward: the step is dropped (the root's hook, which runs anyway, says nothing)."""
+        st = self.step
+        if st is not None:
+            st.saving(False)
+            st.in_forward = False
+        self.step = None
+
+    def _pre_call(self, module, args, kwargs):
         st = self.step
         if st is None or st.replay is not None or not st.in_forward:
             return None
@@ -599,7 +621,7 @@ class NativeExecution:
                     st.foreign[storage_key(a)] = StorageWeakRef(a.untyped_storage())
         return None
 
-    def _post(self, module, args, out):
+    def _post_call(self, module, args, out):
         st = self.step
         if st is None or st.replay is not None or not st.in_forward:
             return None

@@ -298,3 +298,34 @@ def test_a_recomputed_module_called_with_a_cache_is_a_clear_error():
     apply(mine, plan, executor="native")
     with pytest.raises(InvalidInputError, match="use_cache=False"):
         mine(**batch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/device_check.sh)")
+@pytest.mark.parametrize("model_name", ["resnet18-batchnorm", "gpt2-dropout"])
+def test_cuda_native_plans_match_autograd_and_max_memory_allocated(model_name):
+    # on the device: CUDA RNG replayed for dropout, BatchNorm, max_memory_allocated against the
+    # native prediction with the promise's 10 % (the allocator's rounding, the context's buffers)
+    dev = torch.device("cuda")
+    model, inputs = MODELS[model_name]()
+    model.to(dev)
+    inputs = tuple(x.to(dev) for x in inputs)
+    graph = remat.trace(model, inputs, profile="flops", granularity="module")
+    plan = _native_plan(graph, 0.3)
+    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
+    ex = apply(mine, plan, executor="native")
+    rng = torch.cuda.get_rng_state_all(), torch.get_rng_state()
+    loss_ref = _loop_step(ref, inputs)
+    torch.cuda.set_rng_state_all(rng[0])
+    torch.set_rng_state(rng[1])
+    loss = _loop_step(mine, inputs)
+    torch.cuda.synchronize()
+    assert torch.allclose(loss, loss_ref, rtol=1e-5), model_name
+    for (n, p), q in zip(ref.named_parameters(), mine.parameters()):
+        assert torch.allclose(q.grad, p.grad, rtol=1e-4, atol=1e-6), (model_name, n)
+    mine.zero_grad(set_to_none=True)
+    del ref, loss_ref, loss
+    model.to("cpu")
+    torch.cuda.empty_cache()
+    peak = measure_peak(lambda: _loop_step(mine, inputs), device=dev)
+    predicted = ex.predicted["peak_bytes"]
+    assert abs(peak - predicted) <= 0.10 * predicted, (model_name, peak, predicted)
