@@ -16,6 +16,7 @@ accounting on the CPU).  Gradients: one step per variant on the same batch and s
 plain autograd's (max abs difference).  Figures are ratios to plain autograd in this run.
 
     python benchmarks/executor_speed.py                       # gpt2, hf-gpt2, resnet50
+    python benchmarks/executor_speed.py --cases gpt2-124m --steps 5   # transformers' GPT-2 small, batch 2, seq 256
     python benchmarks/executor_speed.py --cases gpt2 --steps 9
 """
 from __future__ import annotations
@@ -39,6 +40,20 @@ from remat.core.errors import InfeasibleBudgetError  # noqa: E402
 from remat.frontends.native import NativeExecution  # noqa: E402
 from remat.frontends.run import random_batch  # noqa: E402
 
+def gpt2_124m(batch: int = 2, seq: int = 256) -> tuple:
+    """transformers' GPT-2 small (12 layers, width 768, GPT-2's vocabulary; dropout 0.1), the
+    real-model suite's GPT-2, with the loss a user's loop computes from the logits."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=seq, use_cache=False)).train()
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+    def lm_loss(out, ids):
+        return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return model, (ids,), lm_loss
+
+
+CASES = {**CASES, "gpt2-124m": (gpt2_124m, {})}
 COLUMNS = ("case", "nodes", "variant", "executor", "budget_bytes", "predicted_peak", "measured_peak", "peak_error",
            "predicted_overhead", "step_s", "time_over_plain", "max_grad_diff", "recomputed", "note")
 

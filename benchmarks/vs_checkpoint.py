@@ -56,13 +56,20 @@ def tightest_plan(graph, ceiling: int, time_limit: float, probes: int = 6, **opt
         return remat.plan(graph, low, swap=False, time_limit=time_limit, **options)
     except InfeasibleBudgetError as e:
         if e.min_feasible_bytes is not None:
+            low = e.min_feasible_bytes
+            ceiling = max(ceiling, int(1.05 * low))   # (natively the class can need a little more)
             try:
-                return remat.plan(graph, e.min_feasible_bytes, swap=False, time_limit=time_limit, **options)
+                return remat.plan(graph, low, swap=False, time_limit=time_limit, **options)
             except (InfeasibleBudgetError, SolverError):
                 pass
     except SolverError:
         pass
-    best = remat.plan(graph, ceiling, swap=False, time_limit=time_limit, **options)
+    for _ in range(8):   # (a ceiling below what the planner can reach, as blocks are atoms: raised)
+        try:
+            best = remat.plan(graph, ceiling, swap=False, time_limit=time_limit, **options)
+            break
+        except InfeasibleBudgetError:
+            low, ceiling = ceiling, int(1.1 * ceiling)
     hi = ceiling
     for _ in range(probes):
         mid = (low + hi) // 2

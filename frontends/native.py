@@ -483,7 +483,8 @@ class NativeExecution:
         `tracked`, the nodes whose storages it holds as entries (those not `plain`, and the
         producers of recomputed nodes' inputs); the plan's ops that act on them (a free of an
         untracked node is autograd's own); `hooked`, the nodes whose backward begins with ops
-        to run (and the first backward node, whose hook ends the step); `glue_preds`, for
+        to run or whose own saved tensors the execution holds (and the first backward node, whose
+        hook ends the step); `glue_preds`, for
         each node, its glue producers whose outputs are tracked or hooked."""
         fwd = [v.id for v in graph.nodes if v.kind == "forward"]
         succ: dict[int, list] = {}
@@ -498,7 +499,9 @@ class NativeExecution:
         ev.start, ev.tail = acting(ev.start), acting(ev.tail)
         ev.after_forward = {j: acting(ops) for j, ops in ev.after_forward.items()}
         ev.before_backward = {j: acting(ops) for j, ops in ev.before_backward.items()}
-        self.hooked = {v for v, ops in ev.before_backward.items() if ops} | set(ev.order[:1])
+        # (a node with entries of its own needs its begin too: its saved tensors go as they are unpacked)
+        self.hooked = {v for v, ops in ev.before_backward.items() if ops} | set(ev.order[:1]) | \
+            {v for v in fwd if v not in self.plain}
         self.glue_preds: dict[int, list] = {}
         for u, ws in succ.items():
             if not self.specs[u].calls and (u in self.tracked or u in self.hooked):
