@@ -109,10 +109,13 @@ def native_plan(graph: Graph, budget_bytes: int, solver: str, schedule: Schedule
         if target <= 0:
             break
     if best is None:
+        peaks = [t["native_peak_bytes"] for t in tries if t["native_peak_bytes"] is not None]
+        closest = f"; the closest peaks at {format_bytes_exact(min(peaks))}" if peaks else ""
         raise InfeasibleBudgetError(
-            f"no native schedule found within {format_bytes_exact(budget_bytes)} ({len(tries)} tries; the native "
-            "class keeps glue nodes resident and runs the forward once): raise the budget, or apply a plan "
-            "with executor='interpreter'", budget_bytes=budget_bytes)
+            f"no native schedule found within {format_bytes_exact(budget_bytes)} ({len(tries)} tries{closest}: the "
+            "native class keeps glue nodes resident, runs the forward once, and counts the model's returned "
+            "outputs to the step's end, as the loop holds them): raise the budget, or apply a plan with "
+            "executor='interpreter'", budget_bytes=budget_bytes, min_feasible_bytes=min(peaks) if peaks else None)
     sched, res, peak, kept = best
     report = dict(first)
     if kept or res.time > first.get("objective", res.time) + 1e-12:
