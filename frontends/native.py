@@ -23,9 +23,9 @@ non-reentrant mode), at the points the schedule names:
   backward node when the engine finishes (`queue_callback`).
 * **free v** drops v's entries; **recompute v** calls v's modules again on the entries of its
   inputs (detached, requiring grad as in the first run) under hooks that fill v's entries anew,
-  in the same order, with the first run's RNG state and with its modules' buffers restored
-  afterwards (BatchNorm's running statistics move once a step); the recomputation's own graph is
-  dropped.  **swap_out v** copies v's entries to host buffers (`transfer.Transfers`: pinned, a side
+  in the same order, with the first run's RNG state and autocast state and with its modules'
+  buffers restored afterwards (BatchNorm's running statistics move once a step); the
+  recomputation's own graph is dropped.  **swap_out v** copies v's entries to host buffers (`transfer.Transfers`: pinned, a side
   stream on CUDA), **swap_in v** copies them back.  During b_v, an entry of v's own that only v's
   backward reads goes as soon as its last saved reference is unpacked, as plain autograd frees
   a saved tensor after the function that uses it.
@@ -42,6 +42,7 @@ and says so when that takes it over its budget.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +147,7 @@ class _Step:
         self.owner: dict[int, tuple] = {}                     # storage key -> (node, idx)
         self.calls: list[list[_Call]] = [[] for _ in range(m)]
         self.rng: dict[int, tuple] = {}
+        self.autocast: dict[int, tuple] = {}   # node -> the autocast state of its first run
         self.host: dict[int, list] = {}      # node -> chunks of its host copy: (buffers, [(entry, layout)])
         self.pending: dict[int, Any] = {}
         self.current: int | None = None
@@ -320,7 +322,8 @@ class _Step:
                     torch.set_rng_state(self.rng[v][0])
                     for d, state in zip(cuda, self.rng[v][1:]):
                         torch.cuda.set_rng_state(state, d)
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self.replay_pack, _never):
+                with torch.enable_grad(), as_autocast(self.autocast.get(v, ())), \
+                        torch.autograd.graph.saved_tensors_hooks(self.replay_pack, _never):
                     for call in self.calls[v]:
                         args = tree_map(self.replay_arg, call.args)
                         kwargs = tree_map(self.replay_arg, call.kwargs)
@@ -398,6 +401,24 @@ class _Step:
                     self.keys[v][idx] = storage_key(t)
                     self.owner[storage_key(t)] = (v, idx)
         self.pending[v] = events[-1] if events else None
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple:
+    """(device type, enabled, dtype) per device type: what a recomputation must run under (the
+    backward runs outside the forward's ``torch.autocast``)."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES
+                 if d != "cuda" or torch.cuda.is_available())
+
+
+def as_autocast(state: tuple) -> contextlib.ExitStack:
+    """A context that restores an `autocast_state` (nothing for an empty one)."""
+    stack = contextlib.ExitStack()
+    for device, enabled, dtype in state:
+        stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+    return stack
 
 
 # argument types a module call may take besides tensors and containers, for a recomputation
@@ -683,9 +704,11 @@ class NativeExecution:
     def _begin(self, st: _Step, j: int) -> None:
         st.current = j
         st.saving(j not in self.plain)
-        if self.specs[j].random and j in self.recomputed:
-            cuda = [st.device] if st.device.type == "cuda" else []
-            st.rng[j] = (torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda))
+        if j in self.recomputed:
+            st.autocast[j] = autocast_state()
+            if self.specs[j].random:
+                cuda = [st.device] if st.device.type == "cuda" else []
+                st.rng[j] = (torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda))
 
     def _end(self, st: _Step, j: int) -> None:
         st.ended = j

@@ -329,3 +329,22 @@ def test_cuda_native_plans_match_autograd_and_max_memory_allocated(model_name):
     peak = measure_peak(lambda: _loop_step(mine, inputs), device=dev)
     predicted = ex.predicted["peak_bytes"]
     assert abs(peak - predicted) <= 0.10 * predicted, (model_name, peak, predicted)
+
+
+def test_recomputation_runs_under_the_first_runs_autocast():
+    # the backward runs outside the forward's torch.autocast: a recomputation must restore it
+    model, inputs = _resnet()
+    with torch.autocast("cpu", dtype=torch.bfloat16):   # (traced as it will run: casts are saved tensors)
+        graph = remat.trace(model, inputs, profile="flops", granularity="module")
+    plan = _native_plan(graph, 0.2)
+    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
+    apply(mine, plan, executor="native")
+    grads = []
+    for m in (ref, mine):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(*inputs)
+            loss = default_loss(out, *inputs)
+        loss.backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
