@@ -54,6 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.core.errors import InvalidInputError
 from remat.core.graph import Graph
 from remat.core.plan import Plan
+from remat.core.schedule import Schedule
 from remat.core import native
 from remat.core.simulate import simulate
 
@@ -103,11 +104,11 @@ def node_specs(model: torch.nn.Module, graph: Graph) -> list[_NodeSpec]:
     return specs
 
 
-def native_obstacle(model: torch.nn.Module, plan: Plan) -> str | None:
-    """Why `plan` cannot run natively on `model` (None when it can): `remat.core.native.obstacle`,
-    and a forward whose nodes are no module calls at all."""
-    why = native.obstacle(plan.graph, plan.schedule)
-    if why is None and not any(sp.calls for sp in node_specs(model, plan.graph)):
+def native_obstacle(graph: Graph, schedule: Schedule, specs: list) -> str | None:
+    """Why `schedule` cannot run natively on the model whose `node_specs` are `specs` (None when
+    it can): `remat.core.native.obstacle`, and a forward whose nodes are no module calls at all."""
+    why = native.obstacle(graph, schedule)
+    if why is None and not any(sp.calls for sp in specs):
         return "no forward node is a module call"
     return why
 
@@ -125,8 +126,8 @@ class _Ref:
 
 @dataclass
 class _Call:
-    """A group-module call of the step's forward: its module, its arguments (tensors as `_Ref`s,
-    static ones as they are) and which of them required grad."""
+    """A group-module call of the step's forward: its module and its arguments (tensors as
+    `_ArgRef`s: an entry's `_Ref` or the tensor itself, and whether it required grad)."""
     module: torch.nn.Module
     args: tuple
     kwargs: dict
@@ -207,8 +208,7 @@ class _Step:
         if not isinstance(r, _Ref):
             return r
         v = r.node
-        if v in self.pending:
-            self.ex.transfers.wait(self.pending.pop(v))
+        self.wait(v)
         base = self.entries[v][r.idx] if r.idx < len(self.entries[v]) else None
         if base is None:
             raise RuntimeError(f"remat.apply(native): a tensor of {self.ex.specs[v].name} is needed but the plan "
@@ -267,6 +267,11 @@ class _Step:
         self.keys[v][idx] = None
 
     # the plan's ops
+    def wait(self, v: int) -> None:
+        """The compute stream waits for v's last transfer (``wait v``, or before a use of v)."""
+        if v in self.pending:
+            self.ex.transfers.wait(self.pending.pop(v))
+
     def run_ops(self, ops: list) -> None:
         for o in ops:
             if o.op == "free":
@@ -278,8 +283,7 @@ class _Step:
             elif o.op == "swap_in":
                 self.swap_in(o.node)
             elif o.op == "wait":
-                if o.node in self.pending:
-                    self.ex.transfers.wait(self.pending.pop(o.node))
+                self.wait(o.node)
 
     def free(self, v: int) -> None:
         """Drop v's entries (those of a node whose outputs the model returns stay to the step's
@@ -378,8 +382,7 @@ class _Step:
         moved = StorageSet()
         idxs = [i for i, t in enumerate(self.entries[v]) if t is not None and (only is None or i in only)]
         layouts = [moved.add(self.entries[v][i]) for i in idxs]
-        if v in self.pending:
-            self.ex.transfers.wait(self.pending.pop(v))
+        self.wait(v)
         buffers, event = self.ex.transfers.to_host(moved.storages)
         chunks = self.host.setdefault(v, [])
         if only is None:
@@ -451,20 +454,20 @@ class NativeExecution:
         self.loss_fn = loss_fn or default_loss
         self.specs = node_specs(model, graph) if graph.meta.get("granularity", "module") == "module" else []
         self.kept: list[str] = []
-        why = native_obstacle(model, plan)
+        schedule = plan.schedule
+        why = native_obstacle(graph, schedule, self.specs)
         if why is not None and self.specs:
-            sched, self.kept = native.nativize(graph, plan.schedule)
+            sched, self.kept = native.nativize(graph, schedule)
             if self.kept and simulate(graph, sched).valid:
-                kept_plan = Plan(graph, sched, plan.budget_bytes, plan.solver, plan.predicted)
-                why = native_obstacle(model, kept_plan)
+                why = native_obstacle(graph, sched, self.specs)
                 if why is None:
-                    plan = kept_plan
+                    schedule = sched
         if why is not None:
             raise InvalidInputError(f"remat.apply: this plan cannot run natively: {why}; apply it with "
                                     "executor='interpreter' (or executor='auto')")
-        self.base_schedule = plan.schedule
-        self.slots, _ = native.events(graph, plan.schedule)
-        self.plain = native.plain_nodes(graph, plan.schedule)
+        self.schedule = schedule
+        self.slots, _ = native.events(graph, schedule)
+        self.plain = native.plain_nodes(graph, schedule)
         self.recomputed = {o.node for ops in list(self.slots.before_backward.values()) + [self.slots.tail]
                            for o in ops if o.op == "compute"}
         self.pinned = native.returned_nodes(plan.graph)
@@ -532,16 +535,10 @@ class NativeExecution:
             self.glue_preds[w].sort()
 
     def _predict(self) -> None:
-        plan = self.plan
-        self.schedule = self.base_schedule
-        sim = simulate(plan.graph, self.schedule)
-        self.predicted = {"peak_bytes": native.native_peak(plan.graph, self.schedule, self.held), "time": sim.time, "overhead": sim.overhead(plan.graph),
-                          "host_peak_bytes": sim.host_peak_bytes}
-
-    def _static_tensors(self) -> list:
-        """The model's parameters and buffers (their storages are read each step: ``model.to``
-        and optimizers change them in place)."""
-        return self._static
+        graph = self.plan.graph
+        sim = simulate(graph, self.schedule)
+        self.predicted = {"peak_bytes": native.native_peak(graph, self.schedule, self.held), "time": sim.time,
+                          "overhead": sim.overhead(graph), "host_peak_bytes": sim.host_peak_bytes}
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``loss_fn(model(*args, **kwargs), *args)``: one step's loss, for loops written for the
@@ -559,7 +556,7 @@ class NativeExecution:
             self.step = None
             return None
         flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        params = self._static_tensors()
+        params = self._static   # (their storages are read each step: ``model.to`` changes them in place)
         device = params[0].device if params else (flat[0].device if flat else torch.device("cpu"))
         if self.transfers is None or self.transfers.device != device:
             self.transfers = Transfers(device)

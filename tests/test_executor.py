@@ -13,12 +13,15 @@ import torch.nn as nn  # noqa: E402
 import remat  # noqa: E402
 from remat.frontends import apply  # noqa: E402
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError  # noqa: E402
-from remat.frontends import default_loss, measure_peak, zoo  # noqa: E402
+from remat.frontends import default_loss, measure_peak  # noqa: E402
 from remat.frontends.measuring import StorageTracker, unique_bytes  # noqa: E402
 from remat.frontends.run import gradients_to_none  # noqa: E402
 from remat.solvers.ilp import min_feasible_budget  # noqa: E402
 from remat.core.analysis import forced_need  # noqa: E402
 from remat.core.schedule import Op, Schedule  # noqa: E402
+
+from small_models import MODELS, DropoutMLP  # noqa: E402
+from small_models import mlp as _mlp, resnet as _resnet  # noqa: E402
 
 PEAK_TOLERANCE = 0.10   # docs/design.md, "Predict = execute"
 # On the CPU both figures count tensor storages, so they agree to a few bytes (the step's own
@@ -27,37 +30,6 @@ EXACT_TOLERANCE = 0.01
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class DropoutMLP(nn.Module):
-    def __init__(self, width: int = 64, layers: int = 6):
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Dropout(0.1))
-                                      for _ in range(layers)])
-        self.head = nn.Linear(width, 4)
-
-    def forward(self, x):
-        return self.head(self.layers(x))
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return DropoutMLP(), (torch.randn(32, 64),)
-
-
-def _resnet():
-    torch.manual_seed(0)
-    m, x = zoo.get("resnet18", batch=8, image_size=64)  # (activations a third of the step: plans have room)
-    return m, (x if isinstance(x, tuple) else (x,))
-
-
-def _gpt():
-    torch.manual_seed(0)
-    m, x = zoo.get("gpt2")
-    return m, (x if isinstance(x, tuple) else (x,))
-
-
-MODELS = {"mlp-dropout": _mlp, "resnet18-batchnorm": _resnet, "gpt2-dropout": _gpt}
 
 
 # swaps cost (almost) nothing at this bandwidth, so the solvers swap wherever it saves memory

@@ -8,16 +8,18 @@ import copy
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.nn as nn  # noqa: E402
 
 import remat  # noqa: E402
 from remat.core import native  # noqa: E402
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError  # noqa: E402
 from remat.core.schedule import Op, Schedule  # noqa: E402
 from remat.core.simulate import simulate  # noqa: E402
-from remat.frontends import apply, default_loss, measure_peak, zoo  # noqa: E402
+from remat.frontends import apply, default_loss, measure_peak  # noqa: E402
 from remat.frontends.native import NativeExecution  # noqa: E402
 from remat.core.analysis import forced_need  # noqa: E402
+
+from small_models import MODELS  # noqa: E402
+from small_models import gpt as _gpt, mlp as _mlp, resnet as _resnet  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -26,40 +28,6 @@ OVER_TOLERANCE = 0.01
 # measured >= predicted - this: natively autograd frees a gradient inside the backward of its
 # consumer, which the module graph (fitted to the interpreter) counts alive through it
 UNDER_TOLERANCE = 0.06
-
-
-class DropoutMLP(nn.Module):
-    """Blocks of Linear-ReLU-Dropout held in a Sequential of Sequentials: the outer loop holds
-    each block's input while the block runs (what `NativeExecution.held` observes)."""
-
-    def __init__(self, width: int = 64, layers: int = 6):
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Dropout(0.1))
-                                      for _ in range(layers)])
-        self.head = nn.Linear(width, 4)
-
-    def forward(self, x):
-        return self.head(self.layers(x))
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return DropoutMLP(), (torch.randn(32, 64),)
-
-
-def _resnet():
-    torch.manual_seed(0)
-    m, x = zoo.get("resnet18", batch=8, image_size=64)
-    return m, (x if isinstance(x, tuple) else (x,))
-
-
-def _gpt():
-    torch.manual_seed(0)
-    m, x = zoo.get("gpt2")
-    return m, (x if isinstance(x, tuple) else (x,))
-
-
-MODELS = {"mlp-dropout": _mlp, "resnet18-batchnorm": _resnet, "gpt2-dropout": _gpt}
 
 
 def _native_plan(graph, fraction: float):
