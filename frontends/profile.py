@@ -47,6 +47,48 @@ class FlopsModel:
     def time(self, flops: int, nbytes: int) -> float:
         return flops / self.flops_per_s + nbytes / self.bytes_per_s
 
+    @classmethod
+    def measured(cls, device: "torch.device | str" = "cpu", dtype: torch.dtype = torch.float32) -> "FlopsModel":
+        """Rates measured on `device` (once per process, device and dtype): a square matrix
+        product's FLOP/s and an elementwise op's bytes (read and written) per second, each the
+        best of a few runs after a warm-up."""
+        key = (str(torch.device(device)), dtype)
+        if key not in _MEASURED:
+            _MEASURED[key] = cls(*_measure_rates(torch.device(device), dtype))
+        return _MEASURED[key]
+
+
+_MEASURED: dict = {}
+
+
+def _measure_rates(device: torch.device, dtype: torch.dtype, n: int = 768, elems: int = 1 << 21) -> tuple:
+    """(FLOP/s of an n x n matrix product, bytes/s of ``x * 2.0`` over `elems` elements), on real
+    tensors even where a fake mode is active (a compiler's backend runs under one): about 20 MiB
+    for a moment."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily(), torch.no_grad():
+        return _rates(device, dtype, n, elems)
+
+
+def _rates(device: torch.device, dtype: torch.dtype, n: int, elems: int) -> tuple:
+    def best(fn: Callable[[], Any], repeats: int = 5) -> float:
+        fn()
+        out = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            out.append(time.perf_counter() - t0)
+        return max(min(out), 1e-9)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    x = torch.randn(elems, device=device, dtype=dtype)
+    flops = 2 * n ** 3 / best(lambda: a @ a)
+    per_byte = 2 * x.numel() * x.element_size() / best(lambda: x * 2.0)
+    return flops, per_byte
+
 
 @dataclass
 class StageProfile:

@@ -51,21 +51,29 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
     graph = _with_bandwidth(graph, options)
     swap = default_swap(graph, solver) if swap is None else swap
     budget_bytes = parse_budget(budget, graph)
-    schedule, res, wall = _solve(graph, budget_bytes, solver, explain, swap=swap, time_limit=time_limit, gap=gap,
-                                 **options)
+    try:
+        schedule, res, wall = _solve(graph, budget_bytes, solver, explain, swap=swap, time_limit=time_limit,
+                                     gap=gap, **options)
+    except SolverError as e:
+        if executor != "compiled":
+            raise
+        schedule, wall, why = None, time_limit, str(e)
     extra: dict = {}
+    if executor == "compiled":
+        schedule, res, wall, extra = compiled_plan(graph, budget_bytes, schedule, wall,
+                                                   why if schedule is None else "")
     if executor == "native":
         schedule, res, wall, extra = native_plan(graph, budget_bytes, solver, schedule, wall, swap=swap,
                                                  time_limit=time_limit, gap=gap, **options)
     report = _solver_block(schedule.report, solver, wall,
                            {"swap": swap, "time_limit": time_limit, "gap": gap, **options})
-    if executor == "native":
-        report["options"]["executor"] = "native"
+    if executor in ("native", "compiled"):
+        report["options"]["executor"] = executor
     schedule.report = dict(report)
     return Plan(graph, schedule, budget_bytes, report, {**predicted_from(graph, res), **extra})
 
 
-EXECUTORS = ("any", "native")
+EXECUTORS = ("any", "native", "compiled")
 NATIVE_TRIES = 4   # solves at lower budgets until the native schedule fits
 
 
@@ -126,6 +134,49 @@ def native_plan(graph: Graph, budget_bytes: int, solver: str, schedule: Schedule
     report["native_tries"] = tries
     sched.report = report
     return sched, res, wall, {"native_peak_bytes": peak}
+
+
+def compiled_plan(graph: Graph, budget_bytes: int, schedule: Schedule | None, wall: float,
+                  why: str = "") -> tuple[Schedule, SimResult, float, dict]:
+    """The solver's `schedule` as the partitioner runs it (`remat.core.compiled`: each forward
+    node saved, or recomputed once in the backward before its first use; R = the forward nodes
+    the schedule computes after the loss), fitted to the budget by `compiled.fit` (more
+    recomputation where the program is over, none the budget does not need).  `schedule` None (the
+    solver found nothing in its time, `why`): fitted from no recomputation.  The report keeps the
+    solver's lower bound (every compiled program is a schedule) and says "feasible" where the
+    program is slower than the solver's schedule.  Returns (the program, its simulation, wall
+    seconds, {"recomputed": node names}).  Raises `InfeasibleBudgetError` where nothing fits."""
+    from remat.core import compiled
+    t0 = time.perf_counter()
+    start = compiled.recomputed_of(graph, schedule) if schedule is not None else set()
+    R, lowest = None, None
+    for begin in (start, set(), compiled.recomputable(graph)):   # (the solver's, none, all)
+        if R is not None:
+            break
+        R, low = compiled.fit(graph, begin, budget_bytes)
+        lowest = low if lowest is None else min(lowest, low)
+    wall += time.perf_counter() - t0
+    if R is None:
+        raise InfeasibleBudgetError(
+            f"no compiled program found within {format_bytes_exact(budget_bytes)} (the lowest peak reached "
+            f"{format_bytes_exact(lowest)}: the partitioner recomputes each forward op at most once, in the backward)"
+            ": raise the budget", budget_bytes=budget_bytes, min_feasible_bytes=lowest)
+    sched, res = compiled.program(graph, R)
+    if schedule is not None:
+        report = dict(schedule.report or {})
+    else:
+        report = {"status": "feasible", "objective": res.time, "lower_bound": None, "gap": None,
+                  "compiled_note": f"the solver found nothing ({why}); fitted from no recomputation"}
+    report["objective"] = res.time
+    if schedule is not None and res.time > simulate(graph, schedule).time * (1 + 1e-9):
+        if report.get("status") == "optimal":
+            report["status"] = "feasible"
+        report["compiled_note"] = "compiled class: the bound is the unconstrained plan's"
+    lb = report.get("lower_bound")
+    if lb:
+        report["gap"] = max(0.0, (res.time - lb) / res.time)
+    sched.report = report
+    return sched, res, wall, {"recomputed": sorted(graph.nodes[v].name for v in R)}
 
 
 def default_swap(graph: Graph, solver: str) -> bool:

@@ -1,0 +1,204 @@
+"""The compiled class of joint-graph schedules: what AOTAutograd's partitioner runs when every
+forward op carries a save / recompute tag (`remat.frontends.compiled`).  Torch-free.
+
+Given the set R of forward nodes tagged *recompute* (every other forward node is tagged
+*save*), the partitioner builds
+
+* a forward graph that computes, in the joint graph's order, the forward nodes the model's
+  outputs or the saved values need, each value freed after its last use there unless it is
+  saved (a forward node a backward node or a node of R reads) or returned;
+* a backward graph that runs the backward nodes in the joint graph's order and, before each,
+  the nodes of R it needs (through R: saved values are there already) that it has not computed
+  yet, in the joint order (``reordering_to_mimic_autograd_engine``); each value freed after its
+  last use.
+
+So each forward node runs at most twice: once in the forward, once (if in R) in the backward.
+`compiled_schedule` writes that program as a `Schedule`, which `simulate` then prices: the
+plan's prediction is the simulation of what the partitioner builds, not of the solver's schedule.
+"""
+from __future__ import annotations
+
+from .graph import Graph
+from .schedule import Op, Schedule
+from .simulate import SimResult, SimState, simulate
+
+
+def recomputed_of(graph: Graph, schedule: Schedule) -> set[int]:
+    """Forward nodes `schedule` computes after the loss: the class's R for that schedule (a
+    recomputation during the forward has no tag: the node is saved instead)."""
+    nodes = graph.nodes
+    loss = next(v.id for v in nodes if v.kind == "loss")
+    after, out = False, set()
+    for o in schedule.ops:
+        if o.op != "compute":
+            continue
+        if o.node == loss:
+            after = True
+        elif after and nodes[o.node].kind == "forward":
+            out.add(o.node)
+    return out - pinned(graph)
+
+
+def pinned(graph: Graph) -> set[int]:
+    """Forward nodes that cannot be recomputed: those the region returns (``extra["returned"]``)."""
+    return with_parts(graph, {v.id for v in graph.nodes if v.kind == "forward" and v.extra.get("returned")})
+
+
+def with_parts(graph: Graph, vs: set[int]) -> set[int]:
+    """`vs` with every part of an op one of whose parts it holds (an op's outputs are made together)."""
+    return {m for v in vs for m in graph.members_of(v)}
+
+
+def compiled_schedule(graph: Graph, recompute: set[int]) -> Schedule:
+    """The program the partitioner builds for tag set `recompute` (module docstring)."""
+    nodes, preds, succs = graph.nodes, graph.preds, graph.succs
+    R = with_parts(graph, set(recompute) - pinned(graph))
+    fwd = [v.id for v in nodes if v.kind == "forward"]
+    loss = next(v.id for v in nodes if v.kind == "loss")
+    bwd = [v.id for v in nodes if v.kind == "backward"]
+    saved = {u for u in fwd if u not in R and any(nodes[w].kind == "backward" or w in R for w in succs[u])}
+    # the forward graph: ancestors of the returned values and of the saved ones
+    need = {u for u in fwd if u in saved or nodes[u].extra.get("returned")}
+    need |= {u for u in preds[loss] if nodes[u].kind == "forward"}
+    stack = list(need)
+    while stack:
+        u = stack.pop()
+        for p in preds[u]:
+            if p not in need and nodes[p].kind == "forward":
+                need.add(p)
+                stack.append(p)
+    seq = sorted(with_parts(graph, need)) + [loss]
+    done: set[int] = set()
+    for b in bwd:
+        want, stack = set(), [p for p in preds[b] if p in R and p not in done]
+        while stack:
+            u = stack.pop()
+            if u in want:
+                continue
+            want.add(u)
+            stack.extend(p for p in preds[u] if p in R and p not in done)
+        for u in sorted(with_parts(graph, want)):
+            seq.append(u)
+            done.add(u)
+        seq.append(b)
+    # frees: each computed instance after its last reader before the node's next compute
+    ops: list[Op] = []
+    instances: list[tuple[int, int, int]] = []   # (node, compute position, last use position)
+    open_at: dict[int, int] = {}
+    for k, v in enumerate(seq):
+        for p in preds[v]:
+            if p in open_at:
+                i = open_at[p]
+                n_, start, _ = instances[i]
+                instances[i] = (n_, start, k)
+        open_at[v] = len(instances)
+        instances.append((v, k, k))
+    free_after: dict[int, list[int]] = {}
+    for v, start, end in instances:
+        if nodes[v].extra.get("returned"):
+            continue
+        free_after.setdefault(end, []).append(v)
+    for k, v in enumerate(seq):
+        ops.append(Op("compute", v))
+        for u in free_after.get(k, []):
+            ops.append(Op("free", u))
+    return Schedule(ops)
+
+
+def program(graph: Graph, recompute: set[int]) -> tuple[Schedule, SimResult]:
+    """`compiled_schedule(graph, recompute)` and its simulation."""
+    sched = compiled_schedule(graph, recompute)
+    return sched, simulate(graph, sched)
+
+
+def over(graph: Graph, recompute: set[int], budget_bytes: int) -> tuple[float, int, float, set[int]]:
+    """How far the program of `recompute` is over `budget_bytes`: (time, peak bytes, excess =
+    the sum over its ops of the bytes above the budget, the nodes resident at an op above it)."""
+    state = SimState(graph, check=False)
+    fixed, excess, above = graph.fixed_bytes, 0.0, set()
+    for op in compiled_schedule(graph, recompute).ops:
+        state.apply(op)
+        if state.during + fixed > budget_bytes:
+            excess += state.during + fixed - budget_bytes
+            above |= set(state.origin)
+            above.add(op.node)
+    state.settle()
+    return max(state.clock, state.xclock), state.peak + fixed, excess, above
+
+
+def saved_forward(graph: Graph, recompute: set[int]) -> set[int]:
+    """Forward nodes the program saves for the backward: not recomputed, read by a backward node
+    or by a recomputed one."""
+    R = with_parts(graph, set(recompute) - pinned(graph))
+    return {v.id for v in graph.nodes if v.kind == "forward" and v.id not in R
+            and any(graph.nodes[w].kind == "backward" or w in R for w in graph.succs[v.id])}
+
+
+def fit(graph: Graph, recompute: set[int], budget_bytes: int, candidates: int = 32) -> tuple[set[int] | None, int]:
+    """A tag set of the compiled class whose program fits `budget_bytes`, searched from
+    `recompute`: while the program is over, take the move that lowers the excess (`over`) the
+    most per second of recomputation it adds: recompute one more saved node resident where the
+    program is over, or save one recomputed node resident there (a recomputation runs back to
+    saved values, so saving one can cut a chain); among the `candidates` largest of each kind.
+    Then, most expensive first, give back every recomputation the budget does not need.  Returns
+    (the tag set, or None where no move lowers the excess; the lowest peak reached)."""
+    fixed = pinned(graph)
+    R = with_parts(graph, set(recompute) - fixed)
+    t, peak, excess, above = over(graph, R, budget_bytes)
+    lowest = peak
+    while excess > 0:
+        size = lambda v: -graph.nodes[v].bytes  # noqa: E731
+        adds = sorted(above & (saved_forward(graph, R) - fixed), key=size)[:candidates]
+        saves = sorted(above & R, key=size)[:candidates]
+        moves = [(v, None) for v in adds] + [(None, v) for v in saves]
+        best = _best_move(graph, R, moves, budget_bytes, t, excess)
+        if best is None:   # (no single move helps: two at once, among the largest few)
+            few = [(v, None) for v in adds[:PAIRS]] + [(None, v) for v in saves[:PAIRS]]
+            pairs = [(a[0] or b[0], a[1] or b[1]) for i, a in enumerate(few) for b in few[i + 1:]
+                     if not (a[0] and b[0]) and not (a[1] and b[1])]
+            pairs += [((a[0], b[0]), None) for i, a in enumerate(few) for b in few[i + 1:] if a[0] and b[0]]
+            best = _best_move(graph, R, pairs, budget_bytes, t, excess)
+        if best is None:
+            return None, lowest
+        _, R, t, peak, excess, above = best
+        lowest = min(lowest, peak)
+    R = prune(graph, R, budget_bytes)
+    return R, program(graph, R)[1].peak_bytes
+
+
+PAIRS = 8   # how many of each kind of move `fit` pairs up where no single move helps
+
+
+def _best_move(graph: Graph, R: set[int], moves: list, budget_bytes: int, t: float, excess: float):
+    """The best of `moves` ((nodes to recompute, nodes to save): a node, a tuple of nodes or None
+    each) from tag set R: (score, tag set, its `over`) or None where none lowers the excess."""
+    def nodes(x):
+        return set() if x is None else set(x) if isinstance(x, tuple) else {x}
+    best = None
+    for add, save in moves:
+        trial = with_parts(graph, R | nodes(add)) - with_parts(graph, nodes(save))
+        t2, p2, e2, a2 = over(graph, trial, budget_bytes)
+        if e2 >= excess:
+            continue
+        # (one that fits at once: the fastest of those; else the most excess per second)
+        score = (1, -t2) if e2 == 0 else (0, (excess - e2) / max(t2 - t, 1e-12))
+        if best is None or score > best[0]:
+            best = (score, trial, t2, p2, e2, a2)
+    return best
+
+
+def recomputable(graph: Graph) -> set[int]:
+    """Every forward node the class may tag *recompute* (all but the returned ones)."""
+    return {v.id for v in graph.nodes if v.kind == "forward"} - pinned(graph)
+
+
+def prune(graph: Graph, recompute: set[int], budget_bytes: int) -> set[int]:
+    """`recompute` less every node (most expensive recomputation first) whose removal keeps the
+    program within `budget_bytes`."""
+    R = set(recompute)
+    leads = sorted({graph.op_of[v] for v in R}, key=lambda v: -graph.nodes[v].time)
+    for v in leads:
+        trial = R - with_parts(graph, {v})
+        if over(graph, trial, budget_bytes)[2] == 0:
+            R = trial
+    return R

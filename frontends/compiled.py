@@ -1,0 +1,372 @@
+"""``torch.compile(model, backend=remat.compiler(budget))``: remat plans the AOTAutograd joint
+graph of each compiled region and hands the plan to the partitioner as its own save / recompute
+tags (``node.meta["recompute"]``, `torch.utils.checkpoint.CheckpointPolicy`), so the
+partitioner builds, and the backend (inductor or aot_eager) compiles, the planned step.
+
+Per region (one joint graph; a graph break makes several):
+
+1. `joint_graph` turns the joint graph into a remat `Graph` from its fake tensors alone (nothing
+   runs, so the first call never peaks above the plan): one node per op that allocates (views,
+   ``getitem`` and other aliasing ops join the node that owns their storage; an op with several
+   outputs read elsewhere is one node per output, its parts); kind ``backward`` for ops that
+   depend on a tangent, ``forward`` for the rest (a backward formula's part that reads only
+   forward values is a forward node, which may be recomputed); one ``loss`` node holding the
+   tangents; the primals (parameters, buffers, inputs) are the fixed bytes; the region's outputs
+   (its forward results and the gradients) stay to the step's end (persistent bytes).  Time:
+   ``torch.utils.flop_counter``'s formulas on the fake shapes and the bytes each op reads and
+   writes, through `FlopsModel` (by default its rates measured on the region's device).
+2. `remat.plan(graph, budget, executor="compiled")` solves it in the compiled class
+   (`remat.core.compiled`): each forward node saved, or recomputed once in the backward before its
+   first use; the prediction is the simulation of that program.
+3. Every forward op gets ``MUST_RECOMPUTE`` (its node is in the plan's R) or ``MUST_SAVE``; the
+   partitioner (``min_cut_rematerialization_partition``, whose free choices are then views
+   only) cuts the graph, and replays the random ops it recomputes with the forward's RNG state
+   (``functionalize_rng_ops``): recomputed dropout masks equal the forward's.
+
+Limits, named: no swap (offload) plans yet; with graph breaks each region is planned against the
+whole budget (the report says so: regions whose activations coexist add up; compile with
+``fullgraph=True`` to plan one region); inductor's fusions make fewer buffers than the joint graph
+has ops, so its measured peak is at or below the prediction.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from remat.core.graph import Graph, Node
+
+from .profile import FlopsModel
+
+log = logging.getLogger("remat.compiled")
+
+BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
+ALIASING = {"_unsafe_view", "alias", "detach", "lift_fresh"}
+
+
+def _tensors(val: Any) -> list:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for x in val for t in _tensors(x)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:  # noqa: BLE001  (a tensor without a storage: its elements)
+        return int(t.numel() * t.element_size())
+
+
+def is_alias(n: fx.Node) -> bool:
+    """The op returns a view of (or the same storage as) its first input: it allocates nothing."""
+    if n.target is operator.getitem:
+        return True
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return False
+    if getattr(n.target, "__name__", "").split(".")[0] in ALIASING:
+        return True
+    rets = schema.returns
+    return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+def _scratch(n: fx.Node) -> int:
+    """Bytes a kernel allocates inside itself beyond its outputs, where known: on the CPU,
+    ``native_dropout`` multiplies by a float copy of its boolean mask (the input's size), also
+    where a random-state wrapper (``run_with_rng_state``) runs it."""
+    op = next((a for a in n.args if isinstance(a, torch._ops.OpOverload)), n.target)   # (an op under a HOP)
+    name = getattr(op, "__name__", "").split(".")[0]
+    val = [t for t in _tensors(n.meta.get("val")) if t.dim() > 0]
+    if name == "native_dropout" and val and val[0].device.type == "cpu":
+        return val[0].numel() * val[0].element_size()
+    return 0
+
+
+def _flops(n: fx.Node) -> int:
+    from torch.utils.flop_counter import flop_registry
+    fn = flop_registry.get(getattr(n.target, "overloadpacket", None))
+    if fn is None:
+        return 0
+    val = lambda x: x.meta.get("val") if isinstance(x, fx.Node) else x  # noqa: E731
+    try:
+        return int(fn(*fx.node.map_aggregate(n.args, val), **fx.node.map_aggregate(n.kwargs, val),
+                      out_val=n.meta.get("val")))
+    except Exception:  # noqa: BLE001  (a formula that cannot read these arguments: no flops)
+        return 0
+
+
+def _device(gm: fx.GraphModule) -> torch.device:
+    """The device of the joint graph's first tensor input (the CPU where it has none)."""
+    for n in gm.graph.nodes:
+        for t in _tensors(n.meta.get("val")) if n.op == "placeholder" else ():
+            return t.device
+    return torch.device("cpu")
+
+
+@dataclass
+class JointGraph:
+    """A region's remat graph and, per graph node, the fx nodes it stands for."""
+    graph: Graph
+    members: list = field(default_factory=list)
+
+
+def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
+                flops_model: FlopsModel | None = None) -> JointGraph:
+    """The remat graph of AOTAutograd joint graph `gm` (module docstring, step 1)."""
+    fm = flops_model or FlopsModel.measured(_device(gm))
+    fx_nodes = list(gm.graph.nodes)
+    STATIC, LOSS = -1, -2
+    group: dict = {}
+    groups: list[dict] = []   # {"members", "kind", "bytes", "ws", "flops", "lead", "index"}
+    fixed, tangent_bytes, seen = 0, 0, set()
+    tangent_dep: set = set()
+    for n in fx_nodes:
+        if n.op in ("placeholder", "get_attr"):
+            tensors = _tensors(n.meta.get("val"))
+            if n.op == "placeholder" and n.name.startswith("tangents"):
+                group[n] = LOSS
+                tangent_dep.add(n)
+                tangent_bytes += sum(_nbytes(t) for t in tensors)
+            else:
+                group[n] = STATIC
+                for t in tensors:
+                    key = id(t.untyped_storage()) if hasattr(t, "untyped_storage") else id(t)
+                    if key not in seen:
+                        seen.add(key)
+                        fixed += _nbytes(t)
+            continue
+        if n.op != "call_function":
+            continue
+        ins = n.all_input_nodes
+        back = any(i in tangent_dep for i in ins)
+        if back:
+            tangent_dep.add(n)
+        if is_alias(n) and ins:
+            src = group[ins[0]]
+            if n.target is operator.getitem and src >= 0 and groups[src]["multi"]:
+                k = n.args[1]
+                lead = groups[src]
+                part = lead["parts"].get(k)
+                if part is None:
+                    t = _tensors(n.meta.get("val"))
+                    part = len(groups)
+                    groups.append({"members": [n], "kind": lead["kind"], "bytes": sum(_nbytes(x) for x in t),
+                                   "ws": 0, "flops": 0, "lead": src, "multi": False, "parts": {}})
+                    lead["parts"][k] = part
+                else:
+                    groups[part]["members"].append(n)
+                group[n] = part
+                continue
+            group[n] = src
+            if src >= 0:
+                groups[src]["members"].append(n)
+            continue
+        val = n.meta.get("val")
+        tensors = _tensors(val)
+        g = len(groups)
+        multi = isinstance(val, (list, tuple))
+        read = sum(t.numel() * t.element_size() for i in ins for t in _tensors(i.meta.get("val")))
+        groups.append({"members": [n], "kind": "backward" if back else "forward",
+                       "bytes": 0 if multi else sum(_nbytes(t) for t in tensors), "ws": 0,
+                       "flops": _flops(n), "lead": None, "multi": multi, "parts": {},
+                       "alloc": sum(_nbytes(t) for t in tensors), "read": read, "scratch": _scratch(n)})
+        group[n] = g
+    # outputs of the region: to the step's end
+    out_node = next(n for n in fx_nodes if n.op == "output")
+    flat = list(out_node.args[0]) if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
+    returned = set()
+    for x in flat:
+        if isinstance(x, fx.Node) and group.get(x, STATIC) >= 0:
+            returned.add(group[x])
+    # a multi-output op: parts whose outputs others read; the first becomes the leader's bytes
+    for g, d in enumerate(groups):
+        if not d["multi"]:
+            continue
+        parts = sorted(d["parts"].items())
+        total = d.pop("alloc")
+        if parts:
+            _, p0 = parts[0]
+            d["bytes"] = groups[p0]["bytes"]
+            d["members"].extend(groups[p0]["members"])
+            for n in groups[p0]["members"]:
+                group[n] = g
+            groups[p0]["dead"] = True
+            if p0 in returned:
+                returned.discard(p0)
+                returned.add(g)
+            used = sum(groups[p]["bytes"] for _, p in parts)
+            d["ws"] = max(0, total - used) + used - d["bytes"]
+        else:
+            d["ws"] = total
+    for d in groups:
+        d.pop("alloc", None)
+        d["ws"] += d.pop("scratch", 0)
+    live = [g for g, d in enumerate(groups) if not d.get("dead")]
+    # ids: forward (fx order, parts after their leader), the loss, backward
+    order, placed = [], set()
+    for kind in ("forward", "backward"):
+        if kind == "backward":
+            order.append(LOSS)
+        for g in live:
+            if groups[g]["kind"] == kind and groups[g]["lead"] is None and g not in placed:
+                order.append(g)
+                placed.add(g)
+                order.extend(p for _, p in sorted(groups[g]["parts"].items()) if not groups[p].get("dead"))
+                placed.update(groups[g]["parts"].values())
+    new_id = {g: i for i, g in enumerate(order)}
+    edges = set()
+    for g in live:
+        for n in groups[g]["members"]:
+            for i in n.all_input_nodes:
+                src = group.get(i, STATIC)
+                if src == STATIC or src == g:
+                    continue
+                edges.add((new_id[src], new_id[g]))
+    fwd_out = {group[x] for x in flat[:num_fwd_outputs] if isinstance(x, fx.Node) and group.get(x, STATIC) >= 0}
+    for g in fwd_out:
+        edges.add((new_id[g], new_id[LOSS]))
+    nodes, members = [], []
+    for i, g in enumerate(order):
+        if g == LOSS:
+            nodes.append(Node(i, "loss", "loss", 0.0, int(tangent_bytes), 0, {"tangents": True}))
+            members.append([])
+            continue
+        d = groups[g]
+        head = d["members"][0]
+        extra: dict = {"ops": [n.name for n in d["members"]], "op": str(getattr(head.target, "__name__", head.target))}
+        lead = d["lead"]
+        if lead is not None:
+            if g in returned:
+                extra["returned"] = True
+            nodes.append(Node(i, head.name, d["kind"], 0.0, int(d["bytes"]), 0, extra, part_of=new_id[lead]))
+            members.append(d["members"])
+            continue
+        b, persistent = int(d["bytes"]), 0
+        if g in returned:
+            extra["returned"] = True
+            b, persistent = 0, int(d["bytes"])
+        if any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in d["members"]):
+            extra["random"] = True
+        extra["flops"] = d["flops"]
+        t = fm.time(d["flops"], d["bytes"] + d["ws"] + d["read"])
+        nodes.append(Node(i, head.name, d["kind"], float(t), b, int(d["ws"]) + persistent if persistent else int(d["ws"]),
+                          extra, persistent_bytes=persistent))
+        members.append(d["members"])
+    # (a returned part: its leader's persistence covers it only when it is the leader)
+    graph = Graph(nodes, sorted(edges), fixed, {"granularity": "compiled", "name": name, "backward_edges": "saved",
+                                                "capture": "torch.compile (AOTAutograd joint graph)"})
+    return JointGraph(graph, members)
+
+
+@dataclass
+class Program:
+    """What the partitioned forward and backward graphs hold when run op by op (`program`)."""
+    peak_bytes: int       # fixed bytes included
+    time: float           # seconds, the ops' `FlopsModel` times
+    fixed_bytes: int      # the primals (parameters, buffers, inputs)
+    saved_bytes: int      # what the forward hands the backward
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    recomputed_ops: int   # ops of the backward graph that the forward graph runs too
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _replay(gm: fx.GraphModule, live: dict, fixed: set, fm: FlopsModel) -> tuple[int, float, dict]:
+    """Run `gm`'s ops over the storages `live` (key -> bytes; storages in `fixed` are not
+    counted): each op allocates its outputs' new storages (and its scratch while it runs), each
+    storage is freed after the last op reading a tensor on it (the boxed calling convention: the
+    graph's inputs too), the outputs' storages stay.  Returns (the peak of the live bytes, the
+    ops' time, what is live at the end)."""
+    nodes = list(gm.graph.nodes)
+    keys: dict = {}
+    for n in nodes:
+        keys[n] = [_key(t) for t in _tensors(n.meta.get("val"))]
+    last: dict = {}
+    for i, n in enumerate(nodes):
+        for k in keys[n]:
+            last[k] = max(last.get(k, i), i)
+        for a in n.all_input_nodes:
+            for k in keys.get(a, ()):
+                last[k] = i
+    out = next(n for n in nodes if n.op == "output")
+    kept = {k for a in out.all_input_nodes for k in keys.get(a, ())}
+    live, peak, total = dict(live), sum(live.values()), 0.0
+    free_at: dict = {}
+    for k, i in last.items():
+        if k not in kept and k not in fixed:
+            free_at.setdefault(i, []).append(k)
+    for i, n in enumerate(nodes):
+        if n.op == "call_function" and not is_alias(n):
+            tensors = _tensors(n.meta.get("val"))
+            new = {}
+            for t in tensors:
+                k = _key(t)
+                if k not in live and k not in fixed:
+                    new[k] = _nbytes(t)
+            live.update(new)
+            scratch = _scratch(n)
+            peak = max(peak, sum(live.values()) + scratch)
+            read = sum(t.numel() * t.element_size() for a in n.all_input_nodes for t in _tensors(a.meta.get("val")))
+            total += fm.time(_flops(n), sum(new.values()) + scratch + read)
+        for k in free_at.get(i, ()):
+            live.pop(k, None)
+    return peak, total, live
+
+
+def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
+            flops_model: FlopsModel | None = None) -> Program:
+    """The peak and time of the partitioner's forward and backward graphs, replayed op by op
+    (`_replay`): the primals are fixed bytes; the region's results stay through the backward
+    (the caller holds them); the saved values from the forward to their last use in the backward;
+    the tangents from the backward's start; the gradients to the step's end.  Exact for the
+    aot_eager backends, which run these graphs' ops as they are; inductor fuses ops into fewer
+    buffers, so its peak is at or below this one."""
+    fm = flops_model or FlopsModel.measured(_device(fw))
+    fixed: dict = {}
+    for gm in (fw, bw):
+        for n in gm.graph.nodes:
+            if n.op in ("placeholder", "get_attr") and not n.name.startswith("tangents") and gm is fw:
+                for t in _tensors(n.meta.get("val")):
+                    fixed.setdefault(_key(t), _nbytes(t))
+    fixed_bytes = sum(fixed.values())
+    f_peak, f_time, after = _replay(fw, {}, set(fixed), fm)
+    out = next(n for n in fw.graph.nodes if n.op == "output")
+    results = out.args[0][:num_fwd_outputs]
+    held = {_key(t): _nbytes(t) for a in results if isinstance(a, fx.Node) for t in _tensors(a.meta.get("val"))
+            if _key(t) not in fixed}
+    saved = sum(b for k, b in after.items() if k not in held)
+    start: dict = {}
+    for n in bw.graph.nodes:
+        if n.op == "placeholder":
+            for t in _tensors(n.meta.get("val")):
+                if _key(t) not in fixed and _key(t) not in held:
+                    start.setdefault(_key(t), _nbytes(t))
+    b_peak, b_time, _ = _replay(bw, start, set(fixed) | set(held), fm)
+    b_peak += sum(held.values())
+    fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+    again = sum(1 for n in bw.graph.nodes if n.op == "call_function" and n.name in fw_ops and not is_alias(n))
+    return Program(max(f_peak, b_peak) + fixed_bytes, f_time + b_time, fixed_bytes, saved,
+                   f_peak + fixed_bytes, b_peak + fixed_bytes, again)
+
+
+def tag(jg: JointGraph, recompute: set[int]) -> None:
+    """Every forward fx op of `jg`: MUST_RECOMPUTE when its node is in `recompute`, else MUST_SAVE."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    for v, members in zip(jg.graph.nodes, jg.members):
+        if v.kind != "forward":
+            continue
+        policy = CheckpointPolicy.MUST_RECOMPUTE if v.id in recompute else CheckpointPolicy.MUST_SAVE
+        for n in members:
+            n.meta["recompute"] = policy
+
+
+__all__ = ["joint_graph", "JointGraph", "tag", "program", "Program", "is_alias", "BACKENDS"]
