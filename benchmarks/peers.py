@@ -17,6 +17,10 @@ seed before every step), in PyTorch's default loop (gradients set to None betwee
   compiled step draws its random numbers through decomposed ops, unlike eager, so against plain
   every dropout model differs, and a difference from budget 1 is a recomputation drawing fresh
   randomness (pytorch#190758);
+* ``remat-compiled-BACKEND@VARIANT`` (``--remat-compiled``): ``torch.compile(model,
+  backend=remat.compiler(B, backend=BACKEND))`` with B the peak VARIANT measured, for every
+  compile row of that backend, and ``@1x`` (nothing recomputed); its gradients are compared with
+  that backend's budget-1 row too;
 * ``remat@VARIANT``: remat planned (`remat.trace` defaults unless the case names a granularity;
   the ILP without swap) at the peak VARIANT measured, for every peer, applied with `remat.apply`.
 
@@ -31,6 +35,7 @@ plain's, measured first and again last (the median of the two).  CSV rows, and a
     python benchmarks/peers.py                                  # zoo GPT-2 (4 layers, batch 8, seq 256)
     python benchmarks/peers.py --case hf-gpt2                   # transformers GPT-2 (4 layers, width 128)
     python benchmarks/peers.py --case resnet50 --inductor --budgets 0.1,0.5,0.9
+    python benchmarks/peers.py --case mlp --only-compile --remat-compiled --inductor --solvers dp
 """
 from __future__ import annotations
 
@@ -69,8 +74,25 @@ def hf_gpt2(batch: int = 8, seq: int = 256) -> tuple:
     return model, (ids,), lm_loss
 
 
+class MLP(torch.nn.Sequential):
+    """Four blocks Linear(256, 512)-GELU-Dropout(0.1)-Linear(512, 256)-LayerNorm: activations are
+    nearly all of its step, and its dropout shows whether recomputation replays the masks."""
+
+    def __init__(self, blocks: int = 4, width: int = 256):
+        super().__init__(*[torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                               torch.nn.Dropout(0.1), torch.nn.Linear(2 * width, width),
+                                               torch.nn.LayerNorm(width)) for _ in range(blocks)])
+
+
+def mlp(batch: int = 4096) -> tuple:
+    torch.manual_seed(0)
+    return MLP().train(), (torch.randn(batch, 256, generator=torch.Generator().manual_seed(1)),), \
+        lambda out, x: out.square().mean()
+
+
 # name -> (build: () -> (model, example inputs, loss_fn), trace options)
 CASES = {
+    "mlp": (mlp, {}),
     "gpt2": (lambda: (*zoo.get("gpt2", batch=8, seq_len=256, n_layer=4), default_loss), {}),
     "hf-gpt2": (hf_gpt2, {}),
     "resnet50": (lambda: (*zoo.get("resnet50", batch=8, image_size=64), default_loss), {"granularity": "module"}),
@@ -146,6 +168,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="0.1,0.3,0.5,0.7,0.9", help="activation_memory_budget values")
     ap.add_argument("--solvers", default="dp,ilp", help="activation_memory_budget_solver values")
     ap.add_argument("--inductor", action="store_true", help="also the inductor backend (C++ compile: slow)")
+    ap.add_argument("--remat-compiled", action="store_true",
+                    help="also remat.compiler on each compile backend, at 1x and at every compile row's peak")
+    ap.add_argument("--only-compile", action="store_true",
+                    help="plain, the compile rows and remat's compiled rows only (no checkpointing, save_on_cpu, "
+                         "eager remat)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP seconds per remat plan")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("-o", "--output", default=None, help="CSV (default benchmarks/results/peers-CASE.csv)")
@@ -189,19 +216,43 @@ def main(argv=None) -> int:
     m = copy.deepcopy(base)
     record("plain", "plain", m, eager(m), warmup=3)  # (the process's first steps run slow)
     blocks = block_names(base)
-    for k in (1, 2, 3):
+    for k in (1, 2, 3) if not args.only_compile else ():
         m = checkpoint_every_block(base, blocks[k - 1::k])
         record(f"ckpt-every-{k}", "checkpoint", m, eager(m), note=f"{len(blocks[k - 1::k])} of {len(blocks)} blocks")
     # transformers' own switch (``activation_checkpointing_enable`` from 5.x, the older name before)
     switch = next((n for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable")
                    if hasattr(base, n)), None)
-    if switch is not None:
+    if switch is not None and not args.only_compile:
         m = copy.deepcopy(base)
         kwargs = "activation" if switch.startswith("activation") else "gradient"
         getattr(m, switch)(**{f"{kwargs}_checkpointing_kwargs": {"use_reentrant": False}})
         record("hf-gradient-checkpointing", "checkpoint", m, eager(m), note=switch)
     m = copy.deepcopy(base)
-    record("save-on-cpu", "save_on_cpu", m, eager(m, lambda: torch.autograd.graph.save_on_cpu(pin_memory=False)))
+    if not args.only_compile:
+        record("save-on-cpu", "save_on_cpu", m, eager(m, lambda: torch.autograd.graph.save_on_cpu(pin_memory=False)))
+
+    def compiled_rows(backend: str, reference: list | None) -> None:
+        """remat.compiler on `backend` at 1x and at the peak of every compile row of that backend."""
+        peers = [r for r in rows if r["kind"] == f"compile-{backend}"]
+        for label, budget in [("1x", "1.0x")] + [(r["variant"], int(r["peak_bytes"])) for r in peers]:
+            torch._dynamo.reset()
+            m = copy.deepcopy(base)
+            rc = remat.compiler(budget, backend=backend, time_limit=args.time_limit)
+            try:
+                with iconfig.patch(fallback_random=True):
+                    row = record(f"remat-compiled-{backend}@{label}", f"remat-compiled-{backend}", m,
+                                 eager(torch.compile(m, backend=rc)), warmup=2, reference=reference)
+            except Exception as e:  # noqa: BLE001 - a budget that does not fit is a row's note
+                print(f"remat-compiled-{backend}@{label}: {type(e).__name__}: {str(e).splitlines()[-1]}", flush=True)
+                continue
+            pr = [r.predicted for r in rc.regions]
+            row["predicted_peak_bytes"] = max(p["peak_bytes"] for p in pr)
+            row["note"] = (f"{len(rc.regions)} region(s), predicted {pr[0]['overhead']:.3f}x, "
+                           f"{sum(len(r.recomputed_ops) for r in rc.regions)} ops recomputed, "
+                           f"{rc.regions[0].plan.solver.get('status')}")
+            print(f"{'':<40} predicted peak {row['predicted_peak_bytes'] / row['peak_bytes']:.3f}x of measured; "
+                  f"{row['note']}", flush=True)
+
     backends = ["aot_eager_decomp_partition"] + (["inductor"] if args.inductor else [])
     import torch._functorch.config as fconfig
     import torch._inductor.config as iconfig
@@ -224,10 +275,18 @@ def main(argv=None) -> int:
                     continue
             if reference is None:
                 reference = row["_grads"]
+        if args.remat_compiled:
+            compiled_rows(backend, reference)
     torch._dynamo.reset()
-    graph = remat.trace(copy.deepcopy(base), example, loss_fn, name=args.case, **trace_opts)
-    print(f"remat graph: {graph.meta.get('granularity')}, {graph.n} nodes", flush=True)
-    for peer in [r for r in rows if r["kind"] != "plain" and r["variant"] != "compile-" + backends[0] + "-dp-1"]:
+    if args.only_compile:
+        rows_for_remat = []
+    else:
+        rows_for_remat = [r for r in rows if r["kind"] != "plain" and not r["kind"].startswith("remat-compiled")
+                          and r["variant"] != "compile-" + backends[0] + "-dp-1"]
+    if rows_for_remat:
+        graph = remat.trace(copy.deepcopy(base), example, loss_fn, name=args.case, **trace_opts)
+        print(f"remat graph: {graph.meta.get('granularity')}, {graph.n} nodes", flush=True)
+    for peer in rows_for_remat:
         m = copy.deepcopy(base)
         try:
             plan = remat.plan(graph, int(peer["peak_bytes"]), swap=False, time_limit=args.time_limit)
@@ -259,7 +318,7 @@ def picture(rows: list[dict], path: Path, case: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for kind in sorted({r["kind"] for r in rows}):
         pts = sorted((r["peak_over_plain"], r["time_over_plain"]) for r in rows if r["kind"] == kind)
-        ax.plot(*zip(*pts), "o-" if kind == "remat" else "o", label=kind, alpha=0.8)
+        ax.plot(*zip(*pts), "o-" if kind.startswith("remat") else "o", label=kind, alpha=0.8)
     ax.set_xlabel("measured peak / plain autograd's")
     ax.set_ylabel("median step time / plain autograd's")
     ax.set_title(f"{case}: remat and its peers, one run")

@@ -44,6 +44,20 @@ def pinned(graph: Graph) -> set[int]:
     return with_parts(graph, {v.id for v in graph.nodes if v.kind == "forward" and v.extra.get("returned")})
 
 
+def backward_only(graph: Graph) -> set[int]:
+    """Forward nodes the region's results do not need (``extra["unclaimed"]``: a backward formula's
+    part that reads only forward values): the partitioner is free to place them where it likes
+    unless they are tagged *recompute*, so they always are; they then run once, in the backward,
+    before their first use there (no time added)."""
+    return with_parts(graph, {v.id for v in graph.nodes if v.kind == "forward" and v.extra.get("unclaimed")})
+
+
+def normal(graph: Graph, recompute: set[int]) -> set[int]:
+    """The tag set the partitioner gets for `recompute`: with every part of its ops, without the
+    pinned nodes, with the backward-only ones."""
+    return with_parts(graph, (set(recompute) - pinned(graph)) | backward_only(graph))
+
+
 def with_parts(graph: Graph, vs: set[int]) -> set[int]:
     """`vs` with every part of an op one of whose parts it holds (an op's outputs are made together)."""
     return {m for v in vs for m in graph.members_of(v)}
@@ -52,7 +66,7 @@ def with_parts(graph: Graph, vs: set[int]) -> set[int]:
 def compiled_schedule(graph: Graph, recompute: set[int]) -> Schedule:
     """The program the partitioner builds for tag set `recompute` (module docstring)."""
     nodes, preds, succs = graph.nodes, graph.preds, graph.succs
-    R = with_parts(graph, set(recompute) - pinned(graph))
+    R = normal(graph, recompute)
     fwd = [v.id for v in nodes if v.kind == "forward"]
     loss = next(v.id for v in nodes if v.kind == "loss")
     bwd = [v.id for v in nodes if v.kind == "backward"]
@@ -129,7 +143,7 @@ def over(graph: Graph, recompute: set[int], budget_bytes: int) -> tuple[float, i
 def saved_forward(graph: Graph, recompute: set[int]) -> set[int]:
     """Forward nodes the program saves for the backward: not recomputed, read by a backward node
     or by a recomputed one."""
-    R = with_parts(graph, set(recompute) - pinned(graph))
+    R = normal(graph, recompute)
     return {v.id for v in graph.nodes if v.kind == "forward" and v.id not in R
             and any(graph.nodes[w].kind == "backward" or w in R for w in graph.succs[v.id])}
 
@@ -143,13 +157,14 @@ def fit(graph: Graph, recompute: set[int], budget_bytes: int, candidates: int = 
     Then, most expensive first, give back every recomputation the budget does not need.  Returns
     (the tag set, or None where no move lowers the excess; the lowest peak reached)."""
     fixed = pinned(graph)
-    R = with_parts(graph, set(recompute) - fixed)
+    R = normal(graph, recompute)
+    fixed |= backward_only(graph)
     t, peak, excess, above = over(graph, R, budget_bytes)
     lowest = peak
     while excess > 0:
         size = lambda v: -graph.nodes[v].bytes  # noqa: E731
         adds = sorted(above & (saved_forward(graph, R) - fixed), key=size)[:candidates]
-        saves = sorted(above & R, key=size)[:candidates]
+        saves = sorted((above & R) - fixed, key=size)[:candidates]
         moves = [(v, None) for v in adds] + [(None, v) for v in saves]
         best = _best_move(graph, R, moves, budget_bytes, t, excess)
         if best is None:   # (no single move helps: two at once, among the largest few)
@@ -188,15 +203,16 @@ def _best_move(graph: Graph, R: set[int], moves: list, budget_bytes: int, t: flo
 
 
 def recomputable(graph: Graph) -> set[int]:
-    """Every forward node the class may tag *recompute* (all but the returned ones)."""
-    return {v.id for v in graph.nodes if v.kind == "forward"} - pinned(graph)
+    """Every forward node whose tag the plan chooses (all but the returned and the backward-only
+    ones)."""
+    return {v.id for v in graph.nodes if v.kind == "forward"} - pinned(graph) - backward_only(graph)
 
 
 def prune(graph: Graph, recompute: set[int], budget_bytes: int) -> set[int]:
     """`recompute` less every node (most expensive recomputation first) whose removal keeps the
     program within `budget_bytes`."""
-    R = set(recompute)
-    leads = sorted({graph.op_of[v] for v in R}, key=lambda v: -graph.nodes[v].time)
+    R = normal(graph, recompute)
+    leads = sorted({graph.op_of[v] for v in R - backward_only(graph)}, key=lambda v: -graph.nodes[v].time)
     for v in leads:
         trial = R - with_parts(graph, {v})
         if over(graph, trial, budget_bytes)[2] == 0:

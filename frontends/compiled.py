@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from remat.core.compiled import normal
 from remat.core.graph import Graph, Node
 
 from .profile import FlopsModel
@@ -231,6 +232,17 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
     fwd_out = {group[x] for x in flat[:num_fwd_outputs] if isinstance(x, fx.Node) and group.get(x, STATIC) >= 0}
     for g in fwd_out:
         edges.add((new_id[g], new_id[LOSS]))
+    # the forward nodes the region's results need (the partitioner's forward); the others are
+    # backward-only (`remat.core.compiled.backward_only`)
+    preds: dict = {}
+    for a, b in edges:
+        preds.setdefault(b, set()).add(a)
+    claimed, stack = set(), [new_id[g] for g in fwd_out]
+    while stack:
+        v = stack.pop()
+        if v not in claimed:
+            claimed.add(v)
+            stack.extend(preds.get(v, ()))
     nodes, members = [], []
     for i, g in enumerate(order):
         if g == LOSS:
@@ -251,6 +263,8 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         if g in returned:
             extra["returned"] = True
             b, persistent = 0, int(d["bytes"])
+        if d["kind"] == "forward" and i not in claimed:
+            extra["unclaimed"] = True
         if any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in d["members"]):
             extra["random"] = True
         extra["flops"] = d["flops"]
@@ -359,8 +373,10 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
 
 
 def tag(jg: JointGraph, recompute: set[int]) -> None:
-    """Every forward fx op of `jg`: MUST_RECOMPUTE when its node is in `recompute`, else MUST_SAVE."""
+    """Every forward fx op of `jg`: MUST_RECOMPUTE when its node is in `recompute` (or is
+    backward-only: `remat.core.compiled.normal`), else MUST_SAVE."""
     from torch.utils.checkpoint import CheckpointPolicy
+    recompute = normal(jg.graph, recompute)
     for v, members in zip(jg.graph.nodes, jg.members):
         if v.kind != "forward":
             continue

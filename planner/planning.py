@@ -176,7 +176,7 @@ def compiled_plan(graph: Graph, budget_bytes: int, schedule: Schedule | None, wa
     if lb:
         report["gap"] = max(0.0, (res.time - lb) / res.time)
     sched.report = report
-    return sched, res, wall, {"recomputed": sorted(graph.nodes[v].name for v in R)}
+    return sched, res, wall, {"recomputed": sorted(graph.nodes[v].name for v in compiled.normal(graph, R))}
 
 
 def default_swap(graph: Graph, solver: str) -> bool:

@@ -17,7 +17,7 @@ def test_the_quickstart_runs_as_written(tmp_path, monkeypatch, capsys):
     pytest.importorskip("torch")
     text = README.read_text()
     section = text[text.index("## Quickstart"):]
-    first, native = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
+    first, native, compiled = re.findall(r"```python\n(.*?)```", section, re.S)[:3]
     monkeypatch.chdir(tmp_path)
     scope = {"__name__": "__quickstart__"}
     exec(compile(first, "README.md (quickstart)", "exec"), scope)
@@ -27,3 +27,9 @@ def test_the_quickstart_runs_as_written(tmp_path, monkeypatch, capsys):
     exec(compile(native, "README.md (native)", "exec"), scope)
     assert scope["run"].plan.predicted["native_peak_bytes"] <= scope["plan"].budget_bytes
     assert scope["loss"].requires_grad and scope["model"].net.conv1.weight.grad is not None
+    # the compiled loop (aot_eager here: the same plan and partition as inductor's, without its
+    # C++ compile on CI's two cores)
+    capsys.readouterr()
+    exec(compile(compiled.replace('backend="inductor"', 'backend="aot_eager"'), "README.md (compiled)", "exec"), scope)
+    [region] = scope["compiled_backend"].regions
+    assert region.program.peak_bytes <= region.budget_bytes and "region 0" in capsys.readouterr().out
