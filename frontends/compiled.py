@@ -13,8 +13,8 @@ Per region (one joint graph; a graph break makes several):
    forward values is a forward node, which may be recomputed); one ``loss`` node holding the
    tangents; the primals (parameters, buffers, inputs) are the fixed bytes; the region's outputs
    (its forward results and the gradients) stay to the step's end (persistent bytes).  Time:
-   ``torch.utils.flop_counter``'s formulas on the fake shapes and the bytes each op reads and
-   writes, through `FlopsModel` (by default its rates measured on the region's device).
+   each op run alone on the device on made-up tensors of its shapes (`OpTimes`), or from its
+   FLOP and byte counts (`FlopsModel`).
 2. `remat.plan(graph, budget, executor="compiled")` solves it in the compiled class
    (`remat.core.compiled`): each forward node saved, or recomputed once in the backward before its
    first use; the prediction is the simulation of that program.
@@ -102,12 +102,85 @@ def _flops(n: fx.Node) -> int:
         return 0
 
 
-def _device(gm: fx.GraphModule) -> torch.device:
+def region_device(gm: fx.GraphModule) -> torch.device:
     """The device of the joint graph's first tensor input (the CPU where it has none)."""
     for n in gm.graph.nodes:
         for t in _tensors(n.meta.get("val")) if n.op == "placeholder" else ():
             return t.device
     return torch.device("cpu")
+
+
+class OpTimes:
+    """Seconds per fx op.  ``measure=True``: the op run on `device` on real tensors of its
+    shapes, dtypes and strides (floats drawn at random, integers and booleans zero; outside the
+    fake mode, without autograd), the median of three runs after a warm-up, each distinct op and
+    arguments once per process; a random-state wrapper (``run_with_rng_state``) is timed as the op
+    it runs.  One op's inputs and outputs at a time, never more than the step holds while that op
+    runs.  Otherwise, and for an op that cannot run alone, `FlopsModel`: its FLOP count and the
+    bytes it reads and writes at the device's measured rates."""
+
+    _cache: dict = {}
+
+    def __init__(self, device: torch.device, measure: bool = True, flops_model: FlopsModel | None = None):
+        self.device, self.measure = torch.device(device), measure
+        self.fm = flops_model or FlopsModel.measured(self.device)
+
+    def modelled(self, n: fx.Node) -> float:
+        read = sum(t.numel() * t.element_size() for a in n.all_input_nodes for t in _tensors(a.meta.get("val")))
+        wrote = sum(_nbytes(t) for t in _tensors(n.meta.get("val")))
+        return self.fm.time(_flops(n), read + wrote + _scratch(n))
+
+    def __call__(self, n: fx.Node) -> float:
+        if n.op != "call_function" or is_alias(n):
+            return 0.0
+        if not self.measure:
+            return self.modelled(n)
+        op, args = n.target, n.args
+        if not isinstance(op, torch._ops.OpOverload):   # (a wrapper: the op it runs)
+            k = next((i for i, a in enumerate(args) if isinstance(a, torch._ops.OpOverload)), None)
+            if k is None:
+                return self.modelled(n)
+            op, args = args[k], args[k + 1:]
+        val = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
+        args, kwargs = fx.node.map_aggregate(args, val), fx.node.map_aggregate(n.kwargs, val)
+        key = (str(op), str(self.device), _signature(args), _signature(kwargs))
+        if key not in self._cache:
+            try:
+                self._cache[key] = self._run(op, args, kwargs)
+            except Exception:  # noqa: BLE001  (an op that cannot run on made-up values: its model)
+                self._cache[key] = self.modelled(n)
+        return self._cache[key]
+
+    def _run(self, op: Any, args: Any, kwargs: Any) -> float:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from .profile import Timer
+        with unset_fake_temporarily(), torch.no_grad():
+            real = lambda a: _real(a, self.device) if isinstance(a, torch.Tensor) else a  # noqa: E731
+            args, kwargs = fx.node.map_aggregate(args, real), fx.node.map_aggregate(kwargs, real)
+            timer, out = Timer(self.device), []
+            op(*args, **kwargs)
+            for _ in range(3):
+                t0 = timer.mark()
+                op(*args, **kwargs)
+                out.append(timer.seconds(t0, timer.mark()))
+        return sorted(out)[1]
+
+
+def _signature(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"T{tuple(x.shape)}{tuple(x.stride())}{x.dtype}"
+    if isinstance(x, (list, tuple)):
+        return "(" + ",".join(_signature(a) for a in x) + ")"
+    if isinstance(x, dict):
+        return "{" + ",".join(f"{k}:{_signature(v)}" for k, v in sorted(x.items())) + "}"
+    return repr(x)
+
+
+def _real(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real tensor of `t`'s shape, strides and dtype on `device` (floats random, others zero)."""
+    out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+    return out.normal_() if t.dtype.is_floating_point else out.zero_()
 
 
 @dataclass
@@ -118,9 +191,10 @@ class JointGraph:
 
 
 def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
-                flops_model: FlopsModel | None = None) -> JointGraph:
-    """The remat graph of AOTAutograd joint graph `gm` (module docstring, step 1)."""
-    fm = flops_model or FlopsModel.measured(_device(gm))
+                times: OpTimes | None = None) -> JointGraph:
+    """The remat graph of AOTAutograd joint graph `gm` (module docstring, step 1); node times
+    from `times` (default: measured on the region's device)."""
+    times = times or OpTimes(region_device(gm))
     fx_nodes = list(gm.graph.nodes)
     STATIC, LOSS = -1, -2
     group: dict = {}
@@ -172,11 +246,10 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         tensors = _tensors(val)
         g = len(groups)
         multi = isinstance(val, (list, tuple))
-        read = sum(t.numel() * t.element_size() for i in ins for t in _tensors(i.meta.get("val")))
         groups.append({"members": [n], "kind": "backward" if back else "forward",
                        "bytes": 0 if multi else sum(_nbytes(t) for t in tensors), "ws": 0,
                        "flops": _flops(n), "lead": None, "multi": multi, "parts": {},
-                       "alloc": sum(_nbytes(t) for t in tensors), "read": read, "scratch": _scratch(n)})
+                       "alloc": sum(_nbytes(t) for t in tensors), "scratch": _scratch(n)})
         group[n] = g
     # outputs of the region: to the step's end
     out_node = next(n for n in fx_nodes if n.op == "output")
@@ -268,7 +341,7 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         if any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in d["members"]):
             extra["random"] = True
         extra["flops"] = d["flops"]
-        t = fm.time(d["flops"], d["bytes"] + d["ws"] + d["read"])
+        t = sum(times(n) for n in d["members"])
         nodes.append(Node(i, head.name, d["kind"], float(t), b, int(d["ws"]) + persistent if persistent else int(d["ws"]),
                           extra, persistent_bytes=persistent))
         members.append(d["members"])
@@ -294,7 +367,7 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _replay(gm: fx.GraphModule, live: dict, fixed: set, fm: FlopsModel) -> tuple[int, float, dict]:
+def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes) -> tuple[int, float, dict]:
     """Run `gm`'s ops over the storages `live` (key -> bytes; storages in `fixed` are not
     counted): each op allocates its outputs' new storages (and its scratch while it runs), each
     storage is freed after the last op reading a tensor on it (the boxed calling convention: the
@@ -327,24 +400,22 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, fm: FlopsModel) -> tuple
                 if k not in live and k not in fixed:
                     new[k] = _nbytes(t)
             live.update(new)
-            scratch = _scratch(n)
-            peak = max(peak, sum(live.values()) + scratch)
-            read = sum(t.numel() * t.element_size() for a in n.all_input_nodes for t in _tensors(a.meta.get("val")))
-            total += fm.time(_flops(n), sum(new.values()) + scratch + read)
+            peak = max(peak, sum(live.values()) + _scratch(n))
+            total += times(n)
         for k in free_at.get(i, ()):
             live.pop(k, None)
     return peak, total, live
 
 
 def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
-            flops_model: FlopsModel | None = None) -> Program:
+            times: OpTimes | None = None) -> Program:
     """The peak and time of the partitioner's forward and backward graphs, replayed op by op
     (`_replay`): the primals are fixed bytes; the region's results stay through the backward
     (the caller holds them); the saved values from the forward to their last use in the backward;
     the tangents from the backward's start; the gradients to the step's end.  Exact for the
     aot_eager backends, which run these graphs' ops as they are; inductor fuses ops into fewer
     buffers, so its peak is at or below this one."""
-    fm = flops_model or FlopsModel.measured(_device(fw))
+    times = times or OpTimes(region_device(fw))
     fixed: dict = {}
     for gm in (fw, bw):
         for n in gm.graph.nodes:
@@ -352,7 +423,7 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
                 for t in _tensors(n.meta.get("val")):
                     fixed.setdefault(_key(t), _nbytes(t))
     fixed_bytes = sum(fixed.values())
-    f_peak, f_time, after = _replay(fw, {}, set(fixed), fm)
+    f_peak, f_time, after = _replay(fw, {}, set(fixed), times)
     out = next(n for n in fw.graph.nodes if n.op == "output")
     results = out.args[0][:num_fwd_outputs]
     held = {_key(t): _nbytes(t) for a in results if isinstance(a, fx.Node) for t in _tensors(a.meta.get("val"))
@@ -364,7 +435,7 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
             for t in _tensors(n.meta.get("val")):
                 if _key(t) not in fixed and _key(t) not in held:
                     start.setdefault(_key(t), _nbytes(t))
-    b_peak, b_time, _ = _replay(bw, start, set(fixed) | set(held), fm)
+    b_peak, b_time, _ = _replay(bw, start, set(fixed) | set(held), times)
     b_peak += sum(held.values())
     fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
     again = sum(1 for n in bw.graph.nodes if n.op == "call_function" and n.name in fw_ops and not is_alias(n))
@@ -385,4 +456,4 @@ def tag(jg: JointGraph, recompute: set[int]) -> None:
             n.meta["recompute"] = policy
 
 
-__all__ = ["joint_graph", "JointGraph", "tag", "program", "Program", "is_alias", "BACKENDS"]
+__all__ = ["joint_graph", "JointGraph", "tag", "program", "Program", "OpTimes", "is_alias", "BACKENDS"]

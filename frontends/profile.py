@@ -71,17 +71,15 @@ def _measure_rates(device: torch.device, dtype: torch.dtype, n: int = 768, elems
 
 
 def _rates(device: torch.device, dtype: torch.dtype, n: int, elems: int) -> tuple:
+    timer = Timer(device)
+
     def best(fn: Callable[[], Any], repeats: int = 5) -> float:
         fn()
         out = []
         for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
+            t0 = timer.mark()
             fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            out.append(time.perf_counter() - t0)
+            out.append(timer.seconds(t0, timer.mark()))
         return max(min(out), 1e-9)
     a = torch.randn(n, n, device=device, dtype=dtype)
     x = torch.randn(elems, device=device, dtype=dtype)

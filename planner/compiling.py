@@ -12,7 +12,7 @@ import torch.fx as fx
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.core.graph import Graph
 from remat.core.units import format_bytes_exact
-from remat.frontends.compiled import BACKENDS, Program, joint_graph, program, tag
+from remat.frontends.compiled import BACKENDS, OpTimes, Program, joint_graph, program, region_device, tag
 from remat.frontends.profile import FlopsModel
 
 from .budget import parse_budget
@@ -53,7 +53,7 @@ class RematCompiler:
     `Region` after its first compile, ``.report()`` a line per region."""
 
     def __init__(self, budget: "str | int", backend: str = "inductor", solver: str = "ilp", time_limit: float = 30.0,
-                 flops_model: FlopsModel | None = None, **options: Any):
+                 profile: str = "measure", flops_model: FlopsModel | None = None, **options: Any):
         if backend not in BACKENDS:
             raise InvalidInputError(f"remat.compiler: backend must be one of {BACKENDS}, got {backend!r}")
         if options.get("swap"):
@@ -63,7 +63,9 @@ class RematCompiler:
         if not (isinstance(budget, str) and budget.strip().lower().endswith("x")):
             parse_budget(budget)   # (a bad budget fails here, not inside the compile)
         self.budget, self.backend, self.solver, self.time_limit = budget, backend, solver, time_limit
-        self.flops_model, self.options = flops_model, options
+        if profile not in ("measure", "flops"):
+            raise InvalidInputError(f"remat.compiler: profile must be 'measure' or 'flops', got {profile!r}")
+        self.profile, self.flops_model, self.options = profile, flops_model, options
         self.regions: list[Region] = []
 
     # -- the partitioner -----------------------------------------------------------------
@@ -81,7 +83,8 @@ class RematCompiler:
         if functorch_config.cse:   # (the partitioner's own first pass: plan the graph it partitions)
             gm.graph = fx_graph_cse(gm.graph)
         gm.recompile()
-        jg = joint_graph(gm, num_fwd, name=f"region{len(self.regions)}", flops_model=self.flops_model)
+        times = OpTimes(region_device(gm), measure=self.profile == "measure", flops_model=self.flops_model)
+        jg = joint_graph(gm, num_fwd, name=f"region{len(self.regions)}", times=times)
         budget = parse_budget(self.budget, jg.graph)
         target, tries, best = budget, [], None
         for _ in range(TRIES):
@@ -96,7 +99,7 @@ class RematCompiler:
             recompute = {v.id for v in jg.graph.nodes if v.name in names}
             tag(jg, recompute)
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
-            prog = program(fw, bw, num_fwd, self.flops_model)
+            prog = program(fw, bw, num_fwd, times)
             tries.append({"budget_bytes": target, "planned_peak_bytes": p.predicted["peak_bytes"],
                           "peak_bytes": prog.peak_bytes})
             if best is None or prog.peak_bytes < best[3].peak_bytes or prog.peak_bytes <= budget:
@@ -169,11 +172,13 @@ def _partitioner(owner: RematCompiler):
 
 
 def compiler(budget: "str | int", backend: str = "inductor", solver: str = "ilp", **options: Any) -> RematCompiler:
-    """``remat.compiler(budget, backend="inductor" | "aot_eager", solver="ilp", time_limit=30)``: a
+    """``remat.compiler(budget, backend="inductor", solver="ilp", time_limit=30, profile="measure")``: a
     ``torch.compile`` backend whose partitioner follows remat's plan of each region's joint graph
     at `budget` (bytes, ``"6GiB"``, or ``"0.5x"`` of the region's own keep-all peak).  `backend`:
     ``"inductor"`` (code generation), ``"aot_eager"`` (the joint graph's ops as they are, run
-    eagerly) or ``"aot_eager_decomp_partition"`` (inductor's decompositions, run eagerly)."""
+    eagerly) or ``"aot_eager_decomp_partition"`` (inductor's decompositions, run eagerly).
+    `profile`: op times measured on the device (``"measure"``, each distinct op once) or from
+    FLOP and byte counts (``"flops"``)."""
     return RematCompiler(budget, backend, solver, **options)
 
 

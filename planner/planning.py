@@ -176,7 +176,8 @@ def compiled_plan(graph: Graph, budget_bytes: int, schedule: Schedule | None, wa
     if lb:
         report["gap"] = max(0.0, (res.time - lb) / res.time)
     sched.report = report
-    return sched, res, wall, {"recomputed": sorted(graph.nodes[v].name for v in compiled.normal(graph, R))}
+    R = compiled.normal(graph, R) - compiled.backward_only(graph)   # (those run once, in the backward)
+    return sched, res, wall, {"recomputed": sorted(graph.nodes[v].name for v in R)}
 
 
 def default_swap(graph: Graph, solver: str) -> bool:
