@@ -10,7 +10,9 @@
 #   4. benchmarks/gpu_check.py --timeline (plans on CUDA against max_memory_allocated, step times,
 #      and op-by-op bytes), then again at batch 256 (gpu_check_big.csv: step times with larger kernels),
 #   5. benchmarks/executor_speed.py on CUDA (native execution against the interpreter and plain),
-#   6. the default suite on 14 workers, to see what differs with a GPU present.
+#   6. the default suite on 14 workers, to see what differs with a GPU present,
+#   7. with T_COMPILED > 0 (default 0: the files that come back are 8 at most), remat.compiler against
+#      torch.compile's activation_memory_budget on CUDA (benchmarks/peers.py --case mlp, inductor).
 # Every part has its own time cap (T_TESTS, T_SWAP, T_CHECK, T_BIG, T_NATIVE, T_SUITE seconds; 0
 # skips the swap timeline, the large batch, the native comparison or the suite); the log is device.log, figures beside it, in $OUT
 # (default benchmarks/out/device): at most 8 files, what the device tool brings back.
@@ -25,6 +27,7 @@ T_CHECK=${T_CHECK:-120}
 T_BIG=${T_BIG:-60}
 T_SUITE=${T_SUITE:-40}
 T_NATIVE=${T_NATIVE:-90}
+T_COMPILED=${T_COMPILED:-0}
 start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 
@@ -69,5 +72,10 @@ stamp "default suite"
 timeout "$T_SUITE" python3 -m pytest -p no:cacheprovider -v --tb=short --show-capture=no -n 14 \
   -m "not slow and not notebooks" > "$OUT/suite.log" 2>&1
 grep -E "FAILED|ERROR|passed|failed" "$OUT/suite.log" | tail -30
+fi
+if [ "$T_COMPILED" -gt 0 ]; then
+stamp "remat.compiler against torch.compile's memory budget (CUDA, inductor)"
+timeout "$T_COMPILED" python3 benchmarks/peers.py --case mlp --device cuda --only-compile --remat-compiled --inductor \
+  --budgets 0.5,0.9 --solvers dp --steps 7 --time-limit 8 -o "$OUT/peers-mlp-compiled-cuda.csv" 2>&1 | tee -a "$OUT/device.log"
 fi
 stamp done

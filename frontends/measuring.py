@@ -380,12 +380,12 @@ class AllocationLog:
                 e = stack.pop()
                 if e.tag == _EventType.Allocation:
                     if e.extra_fields.device.type == "cpu":
-                        allocs.append((e.start_time_ns, e.extra_fields.alloc_size))
+                        allocs.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr))
                 elif e.name.startswith("remat.window."):
                     windows.append((e.start_time_ns, e.end_time_ns, e.name[len("remat.window."):]))
                 stack.extend(e.children)
             allocs.sort(key=lambda x: x[0])
-            times = [t for t, _ in allocs]
+            times = [t for t, _, _ in allocs]
             self._peaks = {None: _running_peak(allocs)}
             for t0, t1, key in windows:
                 lo, hi = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
@@ -396,9 +396,20 @@ class AllocationLog:
         return self.peaks().get(str(key), 0)
 
 
-def _running_peak(events: list[tuple[int, int]]) -> int:
+def _running_peak(events: list[tuple[int, int, int]]) -> int:
+    """The largest running sum of (time, size, address) events, counting a free (a negative
+    size) only where the block was allocated among the events: a block allocated before them is
+    not in the sum, and the profiler may report a stale size for its free (an earlier session's
+    block at the same address), which made a later window's peak depend on what ran before."""
     live = peak = 0
-    for _, size in sorted(events, key=lambda x: x[0]):
+    held: dict[int, int] = {}
+    for _, size, ptr in sorted(events, key=lambda x: x[0]):
+        if size >= 0:
+            held[ptr] = held.get(ptr, 0) + size
+        elif ptr in held:
+            size = -min(-size, held.pop(ptr))
+        else:
+            continue
         live += size
         peak = max(peak, live)
     return peak
