@@ -156,15 +156,14 @@ def fit(graph: Graph, recompute: set[int], budget_bytes: int, candidates: int = 
     saved values, so saving one can cut a chain); among the `candidates` largest of each kind.
     Then, most expensive first, give back every recomputation the budget does not need.  Returns
     (the tag set, or None where no move lowers the excess; the lowest peak reached)."""
-    fixed = pinned(graph)
+    frozen = pinned(graph) | backward_only(graph)   # (tags no move changes)
     R = normal(graph, recompute)
-    fixed |= backward_only(graph)
     t, peak, excess, above = over(graph, R, budget_bytes)
     lowest = peak
     while excess > 0:
         size = lambda v: -graph.nodes[v].bytes  # noqa: E731
-        adds = sorted(above & (saved_forward(graph, R) - fixed), key=size)[:candidates]
-        saves = sorted((above & R) - fixed, key=size)[:candidates]
+        adds = sorted(above & (saved_forward(graph, R) - frozen), key=size)[:candidates]
+        saves = sorted((above & R) - frozen, key=size)[:candidates]
         moves = [(v, None) for v in adds] + [(None, v) for v in saves]
         best = _best_move(graph, R, moves, budget_bytes, t, excess)
         if best is None:   # (no single move helps: two at once, among the largest few)

@@ -41,6 +41,7 @@ import torch.fx as fx
 from remat.core.compiled import normal
 from remat.core.graph import Graph, Node
 
+from .measuring import storage_key
 from .profile import FlopsModel
 
 log = logging.getLogger("remat.compiled")
@@ -77,11 +78,21 @@ def is_alias(n: fx.Node) -> bool:
     return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
 
 
+def _inner_op(n: fx.Node) -> tuple[Any, tuple]:
+    """(the op `n` runs, its arguments): a random-state wrapper (``run_with_rng_state(state, op,
+    *args)``, ``run_and_save_rng_state(op, *args)``) runs the op among its arguments; (None, ())
+    for a wrapper without one."""
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target, n.args
+    k = next((i for i, a in enumerate(n.args) if isinstance(a, torch._ops.OpOverload)), None)
+    return (None, ()) if k is None else (n.args[k], n.args[k + 1:])
+
+
 def _scratch(n: fx.Node) -> int:
     """Bytes a kernel allocates inside itself beyond its outputs, where known: on the CPU,
     ``native_dropout`` multiplies by a float copy of its boolean mask (the input's size), also
     where a random-state wrapper (``run_with_rng_state``) runs it."""
-    op = next((a for a in n.args if isinstance(a, torch._ops.OpOverload)), n.target)   # (an op under a HOP)
+    op = _inner_op(n)[0] or n.target
     name = getattr(op, "__name__", "").split(".")[0]
     val = [t for t in _tensors(n.meta.get("val")) if t.dim() > 0]
     if name == "native_dropout" and val and val[0].device.type == "cpu":
@@ -135,12 +146,9 @@ class OpTimes:
             return 0.0
         if not self.measure:
             return self.modelled(n)
-        op, args = n.target, n.args
-        if not isinstance(op, torch._ops.OpOverload):   # (a wrapper: the op it runs)
-            k = next((i for i, a in enumerate(args) if isinstance(a, torch._ops.OpOverload)), None)
-            if k is None:
-                return self.modelled(n)
-            op, args = args[k], args[k + 1:]
+        op, args = _inner_op(n)
+        if op is None:
+            return self.modelled(n)
         val = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
         args, kwargs = fx.node.map_aggregate(args, val), fx.node.map_aggregate(n.kwargs, val)
         key = (str(op), str(self.device), _signature(args), _signature(kwargs))
@@ -211,9 +219,8 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             else:
                 group[n] = STATIC
                 for t in tensors:
-                    key = id(t.untyped_storage()) if hasattr(t, "untyped_storage") else id(t)
-                    if key not in seen:
-                        seen.add(key)
+                    if storage_key(t) not in seen:   # (each storage once: tied parameters share one)
+                        seen.add(storage_key(t))
                         fixed += _nbytes(t)
             continue
         if n.op != "call_function":
@@ -342,8 +349,9 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             extra["random"] = True
         extra["flops"] = d["flops"]
         t = sum(times(n) for n in d["members"])
-        nodes.append(Node(i, head.name, d["kind"], float(t), b, int(d["ws"]) + persistent if persistent else int(d["ws"]),
-                          extra, persistent_bytes=persistent))
+        # (a returned tensor is made while the op runs: its bytes are in the op's workspace too)
+        nodes.append(Node(i, head.name, d["kind"], float(t), b, int(d["ws"]) + persistent, extra,
+                          persistent_bytes=persistent))
         members.append(d["members"])
     # (a returned part: its leader's persistence covers it only when it is the leader)
     graph = Graph(nodes, sorted(edges), fixed, {"granularity": "compiled", "name": name, "backward_edges": "saved",
@@ -363,10 +371,6 @@ class Program:
     recomputed_ops: int   # ops of the backward graph that the forward graph runs too
 
 
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes) -> tuple[int, float, dict]:
     """Run `gm`'s ops over the storages `live` (key -> bytes; storages in `fixed` are not
     counted): each op allocates its outputs' new storages (and its scratch while it runs), each
@@ -376,7 +380,7 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes) -> tuple
     nodes = list(gm.graph.nodes)
     keys: dict = {}
     for n in nodes:
-        keys[n] = [_key(t) for t in _tensors(n.meta.get("val"))]
+        keys[n] = [storage_key(t) for t in _tensors(n.meta.get("val"))]
     last: dict = {}
     for i, n in enumerate(nodes):
         for k in keys[n]:
@@ -396,7 +400,7 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes) -> tuple
             tensors = _tensors(n.meta.get("val"))
             new = {}
             for t in tensors:
-                k = _key(t)
+                k = storage_key(t)
                 if k not in live and k not in fixed:
                     new[k] = _nbytes(t)
             live.update(new)
@@ -416,25 +420,24 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     aot_eager backends, which run these graphs' ops as they are; inductor fuses ops into fewer
     buffers, so its peak is at or below this one."""
     times = times or OpTimes(region_device(fw))
-    fixed: dict = {}
-    for gm in (fw, bw):
-        for n in gm.graph.nodes:
-            if n.op in ("placeholder", "get_attr") and not n.name.startswith("tangents") and gm is fw:
-                for t in _tensors(n.meta.get("val")):
-                    fixed.setdefault(_key(t), _nbytes(t))
+    fixed: dict = {}   # the forward's inputs: parameters, buffers, the batch
+    for n in fw.graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            for t in _tensors(n.meta.get("val")):
+                fixed.setdefault(storage_key(t), _nbytes(t))
     fixed_bytes = sum(fixed.values())
     f_peak, f_time, after = _replay(fw, {}, set(fixed), times)
     out = next(n for n in fw.graph.nodes if n.op == "output")
     results = out.args[0][:num_fwd_outputs]
-    held = {_key(t): _nbytes(t) for a in results if isinstance(a, fx.Node) for t in _tensors(a.meta.get("val"))
-            if _key(t) not in fixed}
+    held = {storage_key(t): _nbytes(t) for a in results if isinstance(a, fx.Node) for t in _tensors(a.meta.get("val"))
+            if storage_key(t) not in fixed}
     saved = sum(b for k, b in after.items() if k not in held)
     start: dict = {}
     for n in bw.graph.nodes:
         if n.op == "placeholder":
             for t in _tensors(n.meta.get("val")):
-                if _key(t) not in fixed and _key(t) not in held:
-                    start.setdefault(_key(t), _nbytes(t))
+                if storage_key(t) not in fixed and storage_key(t) not in held:
+                    start.setdefault(storage_key(t), _nbytes(t))
     b_peak, b_time, _ = _replay(bw, start, set(fixed) | set(held), times)
     b_peak += sum(held.values())
     fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}

@@ -45,7 +45,6 @@ class Region:
                 "planned_peak_bytes": self.plan.predicted["peak_bytes"]}
 
 
-
 class RematCompiler:
     """A ``torch.compile`` backend that plans each region's joint graph (module docstring).
 

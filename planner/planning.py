@@ -60,7 +60,8 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
         schedule, wall, why = None, time_limit, str(e)
     extra: dict = {}
     if executor == "compiled":
-        schedule, res, wall, extra = compiled_plan(graph, budget_bytes, schedule, wall,
+        solved_time = None if schedule is None else res.time
+        schedule, res, wall, extra = compiled_plan(graph, budget_bytes, schedule, solved_time, wall,
                                                    why if schedule is None else "")
     if executor == "native":
         schedule, res, wall, extra = native_plan(graph, budget_bytes, solver, schedule, wall, swap=swap,
@@ -136,23 +137,25 @@ def native_plan(graph: Graph, budget_bytes: int, solver: str, schedule: Schedule
     return sched, res, wall, {"native_peak_bytes": peak}
 
 
-def compiled_plan(graph: Graph, budget_bytes: int, schedule: Schedule | None, wall: float,
-                  why: str = "") -> tuple[Schedule, SimResult, float, dict]:
+def compiled_plan(graph: Graph, budget_bytes: int, schedule: Schedule | None, solved_time: float | None,
+                  wall: float, why: str = "") -> tuple[Schedule, SimResult, float, dict]:
     """The solver's `schedule` as the partitioner runs it (`remat.core.compiled`: each forward
     node saved, or recomputed once in the backward before its first use; R = the forward nodes
     the schedule computes after the loss), fitted to the budget by `compiled.fit` (more
     recomputation where the program is over, none the budget does not need).  `schedule` None (the
-    solver found nothing in its time, `why`): fitted from no recomputation.  The report keeps the
+    solver found nothing in its time, `why`): fitted from no recomputation; `solved_time` is the
+    simulated time of `schedule`.  The report keeps the
     solver's lower bound (every compiled program is a schedule) and says "feasible" where the
     program is slower than the solver's schedule.  Returns (the program, its simulation, wall
     seconds, {"recomputed": node names}).  Raises `InfeasibleBudgetError` where nothing fits."""
     from remat.core import compiled
     t0 = time.perf_counter()
     start = compiled.recomputed_of(graph, schedule) if schedule is not None else set()
-    R, lowest = None, None
+    R, lowest, tried = None, None, []
     for begin in (start, set(), compiled.recomputable(graph)):   # (the solver's, none, all)
-        if R is not None:
-            break
+        if R is not None or begin in tried:
+            continue
+        tried.append(begin)
         R, low = compiled.fit(graph, begin, budget_bytes)
         lowest = low if lowest is None else min(lowest, low)
     wall += time.perf_counter() - t0
@@ -168,7 +171,7 @@ def compiled_plan(graph: Graph, budget_bytes: int, schedule: Schedule | None, wa
         report = {"status": "feasible", "objective": res.time, "lower_bound": None, "gap": None,
                   "compiled_note": f"the solver found nothing ({why}); fitted from no recomputation"}
     report["objective"] = res.time
-    if schedule is not None and res.time > simulate(graph, schedule).time * (1 + 1e-9):
+    if schedule is not None and res.time > solved_time * (1 + 1e-9):
         if report.get("status") == "optimal":
             report["status"] = "feasible"
         report["compiled_note"] = "compiled class: the bound is the unconstrained plan's"
