@@ -10,7 +10,7 @@ DEMO_SOLVERS ?= ilp,chen-greedy,checkpoint-all
 # own would download a multi-GB CUDA build (the project itself asks only for torch>=2.4).
 install:
 	$(PYTHON) -m pip install torch==2.13.0
-	$(PYTHON) -m pip install -e '.[dev,models]'
+	$(PYTHON) -m pip install -e '.[dev,models,vision]'
 
 test:
 	$(PYTHON) -m pytest -q

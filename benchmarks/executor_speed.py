@@ -37,6 +37,7 @@ from peers import CASES  # noqa: E402  (the same models as the peers' comparison
 import remat  # noqa: E402
 from remat.core.analysis import forced_need  # noqa: E402
 from remat.core.errors import InfeasibleBudgetError  # noqa: E402
+from remat.frontends.base import step_loss  # noqa: E402
 from remat.frontends.native import NativeExecution  # noqa: E402
 from remat.frontends.run import random_batch  # noqa: E402
 
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
             for p in m.parameters():
                 p.grad = None
             if ex is None or isinstance(ex, NativeExecution):
-                loss = loss_fn(m(*batch), *batch)     # the user's own loop
+                loss = step_loss(m, loss_fn, batch)     # the user's own loop
             else:
                 loss = ex(*batch)
             loss.backward()

@@ -57,7 +57,11 @@ import remat  # noqa: E402
 from remat.core.errors import RematError  # noqa: E402
 from remat.frontends import default_loss, zoo  # noqa: E402
 from remat.frontends.checkpointing import block_names, checkpoint_every_block  # noqa: E402
+from remat.frontends.base import step_loss  # noqa: E402
 from remat.frontends.run import random_batch  # noqa: E402
+from remat.frontends import vision  # noqa: E402
+
+vision.prepare()   # transformers imports torchvision where it is installed
 
 def hf_gpt2(batch: int = 8, seq: int = 256) -> tuple:
     """A transformers GPT-2 (4 layers, width 128, vocabulary 1024, dropout 0.1), token ids, and
@@ -96,6 +100,9 @@ CASES = {
     "gpt2": (lambda: (*zoo.get("gpt2", batch=8, seq_len=256, n_layer=4), default_loss), {}),
     "hf-gpt2": (hf_gpt2, {}),
     "resnet50": (lambda: (*zoo.get("resnet50", batch=8, image_size=64), default_loss), {"granularity": "module"}),
+    # torchvision at the real-model suite's sizes (cross entropy over labels, an input of the step)
+    "tv-resnet50": (lambda: (*vision.get("resnet50", batch=8, tiny=False), vision.cross_entropy), {}),
+    "tv-vit_b_16": (lambda: (*vision.get("vit_b_16", batch=8, tiny=False), vision.cross_entropy), {}),
 }
 COLUMNS = ("case", "variant", "kind", "peak_bytes", "storage_peak_bytes", "predicted_peak_bytes", "step_s",
            "peak_over_plain", "time_over_plain", "loss_diff", "max_grad_diff", "grad_diff_vs_compile_1", "note")
@@ -210,7 +217,7 @@ def main(argv=None) -> int:
     def eager(model: torch.nn.Module, wrap: Callable[[], Any] = contextlib.nullcontext) -> Callable:
         def step(batch: tuple) -> torch.Tensor:
             with wrap():
-                return loss_fn(model(*batch), *batch)
+                return step_loss(model, loss_fn, batch)   # labels: the loss's only
         return step
 
     m = copy.deepcopy(base)

@@ -64,7 +64,46 @@ def default_loss(output: Any, *inputs: Any) -> torch.Tensor:
 
 
 # ---- inputs ------------------------------------------------------------------------------
-# ---- inputs ------------------------------------------------------------------------------
+def model_inputs(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, count: int | None = None) -> tuple:
+    """The positional inputs `model` takes out of a batch `args`; the rest are the loss's alone,
+    such as a classifier's labels: for a batch ``(images, labels)`` the step is
+    ``loss_fn(model(images), images, labels)``.  They are inputs of the traced step like the
+    others, on the device, read by the loss.  `count` (``remat.trace(..., model_inputs=k)``,
+    recorded as ``meta["model_inputs"]``) says how many the model takes; without it, all of them
+    up to the last positional parameter of its ``forward`` (all where it takes ``*args``;
+    parameters given in `kwargs` do not count): an input the model could take goes to the model
+    (for ``forward(x, mask=None)`` the labels would be the mask: say ``model_inputs=1``)."""
+    import inspect
+    if count is not None:
+        return args[:count]
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return args
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return args
+    named = set(kwargs or ())
+    takes = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in named for p in params)
+    return args[:takes]
+
+
+def step_loss(model: torch.nn.Module, loss_fn: Callable, args: tuple, kwargs: dict | None = None,
+              count: int | None = None) -> torch.Tensor:
+    """One step's loss, ``loss_fn(model(*model_inputs(model, args, kwargs, count), **kwargs), *args)``."""
+    kwargs = kwargs or {}
+    return loss_fn(model(*model_inputs(model, args, kwargs, count), **kwargs), *args)
+
+
+def check_model_inputs(count: Any, args: tuple) -> int | None:
+    """`count` checked against a batch of ``len(args)`` positional inputs (None: the default rule)."""
+    if count is None:
+        return None
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(args):
+        raise InvalidInputError(f"model_inputs: expected a whole number from 0 to {len(args)} (the positional inputs "
+                                f"the model takes; the rest go to the loss only), got {count!r}")
+    return count
+
+
 def split_inputs(example_inputs: Any, example_kwargs: dict | None) -> tuple[tuple, dict]:
     if isinstance(example_inputs, dict) and example_kwargs is None:
         return (), dict(example_inputs)
@@ -244,6 +283,7 @@ class TraceContext:
     optimizer: str | None
     grads: str = "accumulated"
     progress: bool = False
+    model_inputs: int | None = None   # positional inputs the model takes (`model_inputs`); None: the default rule
     notes: list = field(default_factory=list)   # why a granularity fell back, for meta["capture_notes"]
     state: dict = field(default_factory=dict)
 
@@ -286,7 +326,8 @@ class Frontend(ABC):
 def prepare(frontend: Frontend, model: torch.nn.Module, example_inputs: Any, *, example_kwargs: dict | None = None,
             loss_fn: Callable | None = None, profile: str = "measure", device: "str | torch.device | None" = None,
             repeats: int | None = None, warmup: int = 1, optimizer: str | None = None, name: str | None = None,
-            flops_model: FlopsModel | None = None, progress: bool = False, grads: str = "accumulated") -> TraceContext:
+            flops_model: FlopsModel | None = None, progress: bool = False, grads: str = "accumulated",
+            model_inputs: int | None = None) -> TraceContext:
     """The `TraceContext` of one trace: inputs checked (`InvalidInputError` names the bad one) and
     moved to the device with the model."""
     if profile not in PROFILES:
@@ -297,7 +338,7 @@ def prepare(frontend: Frontend, model: torch.nn.Module, example_inputs: Any, *, 
         model, example_inputs, example_kwargs, loss_fn, device, repeats, warmup, optimizer, name, flops_model,
         min_warmup=frontend.min_warmup, need_grad=frontend.need_grad)
     return TraceContext(model, args, kwargs, dev, loss, model_name, profile, repeats, warmup, fm, optimizer, grads,
-                        progress)
+                        progress, check_model_inputs(model_inputs, args))
 
 
 def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
@@ -326,7 +367,8 @@ def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
     graph = Graph(nodes, edges, fixed, {
         **step_meta(model, ctx.args, ctx.kwargs, dev, ctx.name, ctx.profile, ctx.repeats, ctx.warmup, ctx.flops_model,
                     ctx.loss_fn, ctx.optimizer, breakdown),
-        "granularity": frontend.granularity, "grads": ctx.grads, **meta})
+        "granularity": frontend.granularity, "grads": ctx.grads,
+        **({"model_inputs": ctx.model_inputs} if ctx.model_inputs is not None else {}), **meta})
     total = time.perf_counter() - t_start
     graph.meta["trace_seconds"] = {"capture": round(t_capture, 4), "profile": round(t_profile, 4),
                                    "total": round(total, 4)}
@@ -335,7 +377,8 @@ def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
     return graph
 
 
-def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | None = None) -> tuple[int, int]:
+def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | None = None,
+                     count: int | None = None) -> tuple[int, int]:
     """Peak bytes of one plain training step (forward, loss, backward) of `model` on `inputs`:
     (with the gradients kept from a previous step, as `zero_grad(set_to_none=False)` leaves
     them; with them freed, PyTorch's default `set_to_none=True`).  The model's state is
@@ -344,7 +387,7 @@ def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | 
         loss_fn = default_loss
 
     def step() -> None:
-        loss_fn(model(*inputs), *inputs).backward()
+        step_loss(model, loss_fn, tuple(inputs), count=count).backward()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     resident = list(model.parameters()) + list(model.buffers()) + list(inputs)
     step()
@@ -357,6 +400,6 @@ def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | 
     return kept, freed
 
 
-__all__ = ["Frontend", "TraceContext", "prepare", "trace_with", "default_loss", "split_inputs", "resolve_device",
+__all__ = ["Frontend", "TraceContext", "prepare", "trace_with", "default_loss", "model_inputs", "step_loss", "check_model_inputs", "split_inputs", "resolve_device",
            "prepare_trace", "step_meta", "model_fingerprint", "fixed_bytes", "host_device_bandwidth",
            "plain_step_peaks", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]

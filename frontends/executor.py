@@ -48,10 +48,11 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.core.errors import InvalidInputError
 
+from .base import model_inputs
 from .capture import EAGER, capture
 from .measuring import storage_key
 from .profile import release_plan, run_nodes, writes_of
@@ -128,7 +129,7 @@ class PlannedStep(PlannedBase):
         snapshot = [(b, b.detach().clone()) for b in model.buffers()]
         try:
             with torch.random.fork_rng(devices=[]):
-                cap = capture(model, args, kwargs, mode=mode)
+                cap = capture(model, model_inputs(model, args, kwargs, meta.get("model_inputs")), kwargs, mode=mode)
         finally:
             with torch.no_grad():
                 for b, saved in snapshot:
@@ -149,6 +150,12 @@ class PlannedStep(PlannedBase):
         for node, kind in cap.kinds.items():
             if kind == "input":
                 cap.values[node] = None
+        # the capture's input positions count the model's inputs; a batch's flat inputs also hold
+        # the loss's own (labels) between the model's positional inputs and the keyword ones
+        taken = len(tree_flatten(model_inputs(model, args, kwargs, meta.get("model_inputs")))[0])
+        skipped = len(tree_flatten(args)[0]) - taken
+        self._flat_index = {node: cap.targets[node] + (skipped if cap.targets[node] >= taken else 0)
+                            for node, kind in cap.kinds.items() if kind == "input"}
         self._cap = cap
         self._m = len(stages)
         self._loss_id = next(v.id for v in graph.nodes if v.kind == "loss")
@@ -205,7 +212,7 @@ class PlannedStep(PlannedBase):
     def _new_run(self, args: tuple, flat: list, transfers: Transfers) -> "_Run":
         env = {}
         for node, kind in self._cap.kinds.items():
-            env[node] = flat[self._cap.targets[node]] if kind == "input" else self._cap.values[node]
+            env[node] = flat[self._flat_index[node]] if kind == "input" else self._cap.values[node]
         self._args = args
         return _Run(self, env, transfers)
 

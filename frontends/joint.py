@@ -74,7 +74,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.core.errors import InvalidInputError
 from remat.core.graph import Graph, Node
 
-from .base import Frontend, TraceContext, prepare, trace_with
+from .base import Frontend, TraceContext, prepare, step_loss, trace_with
 from .capture import CaptureError, quiet_torch_logs
 from .measuring import AllocatorWindow, StorageTracker, on_autograd_thread, storage_bytes, storage_key, unique_bytes
 from .profile import FlopsModel, Timer, is_random
@@ -100,15 +100,17 @@ class JointCapture:
 
 
 class _LossModule(torch.nn.Module):
-    """``(loss_fn(model(*args, **kwargs), *args),)``: what aot_export_module differentiates."""
+    """``(loss_fn(model(*args, **kwargs), *args),)``: what aot_export_module differentiates (inputs
+    the model does not take are the loss's: `base.model_inputs`)."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, count: int | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.count = count
 
     def forward(self, *args: Any, **kwargs: Any):
-        loss = self.loss_fn(self.model(*args, **kwargs), *args)
+        loss = step_loss(self.model, self.loss_fn, args, kwargs, self.count)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise InvalidInputError("loss_fn must return a scalar tensor, got "
                                     f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
@@ -118,13 +120,14 @@ class _LossModule(torch.nn.Module):
         return (loss.reshape(()),)
 
 
-def capture_joint(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable) -> JointCapture:
+def capture_joint(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable,
+                  model_inputs: int | None = None) -> JointCapture:
     """Capture the joint graph of one training step (see the module docstring).  Raises
     `InvalidInputError` for a bad loss and `CaptureError` naming the reason when
     aot_export_module cannot capture the model."""
     from torch._functorch.aot_autograd import aot_export_module
 
-    wrapper = _LossModule(model, loss_fn)
+    wrapper = _LossModule(model, loss_fn, model_inputs)
     args = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, args)
     kwargs = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, kwargs)
     snapshot = [(b, b.detach().clone()) for b in model.buffers()]
@@ -674,7 +677,7 @@ class JointFrontend(Frontend):
     need_grad = True
 
     def capture(self, ctx: TraceContext) -> None:
-        ctx.state["cap"] = capture_joint(ctx.model, ctx.args, ctx.kwargs, ctx.loss_fn)
+        ctx.state["cap"] = capture_joint(ctx.model, ctx.args, ctx.kwargs, ctx.loss_fn, ctx.model_inputs)
 
     def cut(self, ctx: TraceContext) -> None:
         cap = ctx.state["cap"]

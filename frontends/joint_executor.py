@@ -68,7 +68,7 @@ class PlannedJointStep(PlannedBase):
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:
         self._check_model(args, kwargs)
-        cap = capture_joint(self.model, args, kwargs, self.loss_fn)
+        cap = capture_joint(self.model, args, kwargs, self.loss_fn, self.plan.graph.meta.get("model_inputs"))
         self._prog: JointProgram = program_from_graph(cap, self.plan.graph)
         self._split_ops(self._prog.loss_id)
         self._ready = True

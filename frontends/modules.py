@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_unflatten
 from remat.core.errors import InvalidInputError
 from remat.core.graph import Node
 
-from .base import Frontend, TraceContext
+from .base import Frontend, TraceContext, model_inputs
 from .capture import Captured, capture
 from .profile import FlopsModel, Runner, StageProfile, is_random, profile_runner, release_plan, run_nodes, writes_of
 from .segments import Segment, auto_depth, cut, group_modules, repeated_blocks
@@ -67,7 +67,8 @@ class ModuleFrontend(Frontend):
         self.capture_with, self.backward_edges = capture_with, backward_edges
 
     def capture(self, ctx: TraceContext) -> None:
-        ctx.state["cap"] = capture(ctx.model, ctx.args, ctx.kwargs, mode=self.capture_with)
+        ctx.state["cap"] = capture(ctx.model, model_inputs(ctx.model, ctx.args, ctx.kwargs, ctx.model_inputs), ctx.kwargs,
+                                   mode=self.capture_with)
 
     def cut(self, ctx: TraceContext) -> None:
         cap = ctx.state["cap"]

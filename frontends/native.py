@@ -58,7 +58,7 @@ from remat.core.schedule import Schedule
 from remat.core import native
 from remat.core.simulate import simulate
 
-from .base import default_loss
+from .base import default_loss, step_loss
 from .measuring import storage_key
 from .segments import group_modules
 from .transfer import StorageSet, Transfers
@@ -543,7 +543,7 @@ class NativeExecution:
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``loss_fn(model(*args, **kwargs), *args)``: one step's loss, for loops written for the
         interpreter's ``planned(*inputs)``."""
-        return self.loss_fn(self.model(*args, **kwargs), *args)
+        return step_loss(self.model, self.loss_fn, args, kwargs, self.plan.graph.meta.get("model_inputs"))
 
     def remove(self) -> None:
         for h in self._handles:

@@ -30,7 +30,7 @@ from remat.core.plan import Plan
 from .applying import apply
 from .native import NativeExecution
 from .measuring import Measurement, measure
-from .base import default_loss, split_inputs
+from .base import default_loss, split_inputs, step_loss
 
 
 __all__ = ["run_plan", "RunReport", "random_batch", "gradients_to_none"]
@@ -158,7 +158,7 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
     for _ in range(steps if plain else 0):
         batch = random_batch(args, gen, dev)
         opt.zero_grad(set_to_none=to_none)
-        report.plain_steps.append(measure(lambda: loss_fn(model(*batch), *batch).backward(), dev,
+        report.plain_steps.append(measure(lambda: step_loss(model, loss_fn, batch, count=plan.graph.meta.get("model_inputs")).backward(), dev,
                                           resident=fixed(batch)))
     opt.zero_grad(set_to_none=to_none)
     return report

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from remat.core.errors import InvalidInputError
 from remat.core.plan import Plan
 
-from .base import default_loss, model_fingerprint, split_inputs
+from .base import default_loss, model_fingerprint, split_inputs, step_loss
 from .transfer import Transfers
 
 SWAP_MESSAGE = ("remat.apply: the plan swaps a {kind} node ({name}); the executor swaps forward nodes only "
@@ -78,7 +78,7 @@ class PlannedBase(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not torch.is_grad_enabled() or not self.model.training:
-            return self.loss_fn(self.model(*args, **kwargs), *args)
+            return step_loss(self.model, self.loss_fn, args, kwargs, self.plan.graph.meta.get("model_inputs"))
         if not self._ready:  # no example inputs given: the first batch is the example
             self._prepare(args, kwargs)
         flat = [t for t in tree_flatten((args, kwargs))[0]]

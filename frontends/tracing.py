@@ -50,13 +50,16 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
           repeats: int | None = None, *, depth: "int | str" = "auto", warmup: int = 1, example_kwargs: dict | None = None,
           optimizer: str | None = None, name: str | None = None, flops_model: FlopsModel | None = None,
           capture_with: str = "auto", backward_edges: str = "saved", progress: bool = False,
-          grads: str = "accumulated") -> Graph:
+          grads: str = "accumulated", model_inputs: int | None = None) -> Graph:
     """Trace and profile one training step of `model` on `example_inputs`; return its `Graph`.
 
     example_inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments
         (``example_kwargs`` adds keyword arguments to positional ones).
     loss_fn: ``loss_fn(output, *positional_inputs) -> scalar tensor``; default `default_loss`
-        (the sum of every floating-point tensor in the output).
+        (the sum of every floating-point tensor in the output).  Positional inputs beyond those
+        the model's ``forward`` takes go to the loss only (a classifier's labels:
+        ``remat.trace(model, (images, labels), loss_fn=lambda out, x, y: F.cross_entropy(out, y))``;
+        `base.model_inputs`); they are inputs of the traced step like the images.
     granularity: ``"auto"`` (default: the joint graph, as ``"joint"``, where it can be captured,
         has at most `AUTO_MAX_NODES` nodes and its peak without recomputation is within
         `AUTO_PEAK_SLACK` of the module graph's or the module graph is too coarse to plan below
@@ -89,6 +92,9 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
         allocated at its first accumulation in the backward and lives to the step's end) or
         ``"resident"`` (``zero_grad(set_to_none=False)``: kept between steps, fixed bytes).
         ``meta["grads"]`` records it; `remat.run_plan` zeroes gradients accordingly.
+    model_inputs: how many of the positional inputs the model takes (the rest go to the loss
+        only; ``meta["model_inputs"]``; `remat.apply` and `remat.run_plan` follow it); default:
+        those its ``forward`` has positional parameters for (`base.model_inputs`).
 
     The model's buffers (BatchNorm running statistics) and the global RNG state are restored
     afterwards; the model is otherwise left as it was (training or eval mode is the caller's).
@@ -98,7 +104,8 @@ def trace(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None 
     if profile not in PROFILES:
         raise InvalidInputError(f"profile: expected one of {PROFILES}, got {profile!r}")
     options = dict(example_kwargs=example_kwargs, loss_fn=loss_fn, profile=profile, device=device, repeats=repeats,
-                   warmup=warmup, optimizer=optimizer, name=name, flops_model=flops_model, grads=grads)
+                   warmup=warmup, optimizer=optimizer, name=name, flops_model=flops_model, grads=grads,
+                   model_inputs=model_inputs)
     if granularity == "auto":
         return _trace_auto(model, example_inputs, depth, capture_with, backward_edges, progress, options)
     notes = []

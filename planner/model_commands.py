@@ -64,6 +64,8 @@ def load_model(spec: str, *, batch: int | None = None, input_shape: tuple | None
     where, _, attr = spec.rpartition(":")
     if not where or not attr:
         raise InvalidInputError(f"MODEL: cannot read {spec!r}; expected {forms}")
+    from remat.frontends import vision
+    vision.prepare()   # user code importing transformers or torchvision finds it importable
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)
         if not path.is_file():

@@ -30,7 +30,7 @@ from remat.core.plan import Plan, predicted_from
 from remat.core.schedule import Schedule
 from remat.core.simulate import simulate
 
-from remat.frontends.base import default_loss, split_inputs
+from remat.frontends.base import default_loss, split_inputs, step_loss
 from remat.frontends.checkpointing import block_names, checkpoint_every_block
 from remat.frontends.measuring import measure
 from remat.frontends.run import run_plan
@@ -139,7 +139,7 @@ def _step(model: torch.nn.Module, inputs: Any, loss_fn: Callable, device: torch.
             p.grad = None if to_none else torch.zeros_like(p)
         resident = (list(model.parameters()) + list(model.buffers()) + tree_flatten((args, kwargs))[0]
                     + [p.grad for p in model.parameters() if p.grad is not None])
-        m = measure(lambda: loss_fn(model(*args, **kwargs), *args).backward(), device, resident=resident)
+        m = measure(lambda: step_loss(model, loss_fn, args, kwargs).backward(), device, resident=resident)
         if k:
             peak, times = max(peak, m.peak_bytes), times + [m.time]
     return peak, statistics.median(times)

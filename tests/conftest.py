@@ -7,6 +7,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest
 
 
+def pytest_configure(config):
+    """torchvision made importable before any test imports transformers (which imports it)."""
+    try:
+        from remat.frontends import vision
+    except ImportError:     # no torch: the torch-free tests run alone
+        return
+    vision.prepare()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Torch on one thread for a test module: CPU kernels on this shared 2-core machine run 10-100x
