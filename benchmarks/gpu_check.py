@@ -32,6 +32,7 @@ import torch.nn as nn
 import remat
 from remat.core.errors import InfeasibleBudgetError, RematError
 from remat.frontends import default_loss, zoo
+from remat.frontends.base import step_loss
 from remat.frontends.checkpointing import Checkpointed
 from remat.frontends.measuring import untracked_blocks
 from remat.frontends.run import random_batch, run_plan
@@ -66,16 +67,16 @@ def checkpoint_blocks(model: nn.Module, graph: remat.Graph) -> nn.Module:
 
 
 def time_steps(model: nn.Module, example: tuple, device: torch.device, steps: int,
-               set_to_none: bool = False) -> tuple[float, int]:
+               set_to_none: bool = False, loss_fn=default_loss) -> tuple[float, int]:
     """(median step seconds, peak bytes) of plain training steps of `model`, its gradients zeroed
-    with ``zero_grad(set_to_none)``."""
+    with ``zero_grad(set_to_none)``; the loss ``loss_fn(model(...), *batch)`` (`step_loss`)."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     times, peak = [], 0
     for k in range(steps + 1):
         batch = random_batch(example, gen, device)
         opt.zero_grad(set_to_none=set_to_none)
-        m = remat.measure(lambda: default_loss(model(*batch), *batch).backward(), device,
+        m = remat.measure(lambda: step_loss(model, loss_fn, batch).backward(), device,
                           resident=list(model.parameters()) + list(model.buffers()) + list(batch)
                           + [p.grad for p in model.parameters() if p.grad is not None])
         opt.step()

@@ -63,12 +63,13 @@ from remat.frontends import vision  # noqa: E402
 
 vision.prepare()   # transformers imports torchvision where it is installed
 
-def hf_gpt2(batch: int = 8, seq: int = 256) -> tuple:
-    """A transformers GPT-2 (4 layers, width 128, vocabulary 1024, dropout 0.1), token ids, and
-    the next-token loss a user's loop computes from its logits."""
+def hf_gpt2(batch: int = 8, seq: int = 256, layers: int = 4, width: int = 128, heads: int = 4,
+            vocab: int = 1024) -> tuple:
+    """A transformers GPT-2 (by default 4 layers, width 128, vocabulary 1024; dropout 0.1), token
+    ids, and the next-token loss a user's loop computes from its logits."""
     import transformers
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1024, n_positions=seq,
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=seq,
                                   bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(cfg).train()
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
