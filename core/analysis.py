@@ -76,8 +76,8 @@ def forced_need(graph: Graph) -> int:
     """Whole-step bytes below which no recompute-only schedule exists: at the instant node t is
     first computed, t's output and workspace, its inputs, and every non-forward value that a
     later node reads are resident (only forward nodes are recomputed): `forced_loads`; and at
-    the step's end every persistent byte."""
-    return max(list(forced_loads(graph)) + [graph.persistent_total]) + graph.fixed_bytes
+    the step's end every persistent byte and the optimizer step's transient."""
+    return max(list(forced_loads(graph)) + [graph.step_end_bytes]) + graph.fixed_bytes
 
 
 def check_forced_need(graph: Graph, budget_bytes: int) -> None:
@@ -97,7 +97,7 @@ def node_need(graph: Graph) -> int:
     bytes of the nodes before it; all of them at the step's end): no budget goes lower."""
     before = graph.persistent_before
     return max([v.bytes + v.workspace_bytes + before[v.id] + sum(graph.nodes[u].bytes for u in set(graph.preds[v.id]))
-                for v in graph.nodes] + [graph.persistent_total]) + graph.fixed_bytes
+                for v in graph.nodes] + [graph.step_end_bytes]) + graph.fixed_bytes
 
 
 def check_budget(graph: Graph, budget_bytes: int) -> None:

@@ -148,6 +148,18 @@ class Graph:
         return sum(v.persistent_bytes for v in self.nodes)
 
     @property
+    def optimizer_step_bytes(self) -> int:
+        """What the optimizer's step allocates while it runs, after the backward
+        (``meta["optimizer_step_bytes"]``, measured at trace when an optimizer is named; 0 else)."""
+        return int(self.meta.get("optimizer_step_bytes") or 0)
+
+    @property
+    def step_end_bytes(self) -> int:
+        """Non-fixed bytes at the step's end, with the optimizer's step: every persistent byte
+        (the gradients) and its transient.  No schedule lowers them."""
+        return self.persistent_total + self.optimizer_step_bytes
+
+    @property
     def times(self) -> list[float]:
         return [v.time for v in self.nodes]
 

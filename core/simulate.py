@@ -330,6 +330,9 @@ def simulate(graph: Graph, schedule: Schedule | list[Op], bandwidth: float | Non
                        "after_bytes": state.live + fixed, "host_bytes": state.host,
                        "start": state.last_start, "end": state.last_end})
     state.settle()
+    # the optimizer's step after the last op: what is still live, and its transient
+    if graph.optimizer_step_bytes and state.live + graph.optimizer_step_bytes > state.peak:
+        state.peak = state.live + graph.optimizer_step_bytes
     counts = [state.counts.get(i, 0) for i in range(graph.n)]
     if violation is None and state.expect >= 0:
         e = state.expect

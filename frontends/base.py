@@ -241,6 +241,54 @@ def fixed_bytes(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = 
     return sum(breakdown.values()), breakdown
 
 
+def make_optimizer(name: str, params: Any, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """The `torch.optim` optimizer an `OPTIMIZER_STATE` name stands for, with PyTorch's defaults
+    (``sgd-momentum``: momentum 0.9).  ``lion`` has no `torch.optim` class: NotImplementedError."""
+    optim = torch.optim
+    table = {"sgd": lambda: optim.SGD(params, lr=lr), "sgd-momentum": lambda: optim.SGD(params, lr=lr, momentum=0.9),
+             "adam": lambda: optim.Adam(params, lr=lr), "adamw": lambda: optim.AdamW(params, lr=lr),
+             "rmsprop": lambda: optim.RMSprop(params, lr=lr), "adagrad": lambda: optim.Adagrad(params, lr=lr)}
+    if hasattr(optim, "Adafactor"):
+        table["adafactor"] = lambda: optim.Adafactor(params, lr=lr)
+    if name not in table:
+        raise NotImplementedError(f"optimizer {name!r}: torch.optim has no such optimizer here; its step cannot be "
+                                  "run or measured")
+    return table[name]()
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> list:
+    """The tensors an optimizer's state holds (momenta, step counters)."""
+    return [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+
+
+def optimizer_step_bytes(model: torch.nn.Module, optimizer: str | None, device: torch.device) -> int | None:
+    """Device bytes ``optimizer.step()`` allocates above the parameters, gradients and its state
+    while it runs (its transient: PyTorch's multi-tensor Adam holds a square root of every second
+    moment at once, the per-tensor loop one parameter's worth): measured on copies of the
+    trainable parameters with zero gradients, on the second step (the first allocates the
+    state, which the fixed bytes count).  0 without an optimizer; None where torch.optim has no
+    such optimizer (nothing measured).  Needs the parameters' bytes twice over, briefly."""
+    if optimizer is None:
+        return 0
+    params = [p.detach().clone().requires_grad_(True) for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        opt = make_optimizer(optimizer, params)
+    except NotImplementedError:
+        return None
+    opt.step()
+    held = params + [p.grad for p in params] + optimizer_tensors(opt)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        opt.step()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
+    return max(0, measure_peak(opt.step, resident=held) - unique_bytes(held))
+
+
 def host_device_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, dict]:
     """Pinned host<->device copy bandwidth in bytes/s (the slower direction) and its meta.  On a
     CPU there is no copy to measure: `remat.core.graph.DEFAULT_BANDWIDTH`."""
@@ -363,12 +411,18 @@ def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
                 b.copy_(saved)
     fixed, breakdown = fixed_bytes(model, ctx.args, ctx.kwargs, ctx.optimizer,
                                    runtime=libs.bytes if dev.type == "cuda" else None, grads=ctx.grads)
+    step_bytes = optimizer_step_bytes(model, ctx.optimizer, dev)
+    if step_bytes is None:
+        log.warning("optimizer %r: torch.optim has no such optimizer, so its step's transient bytes are not "
+                    "measured nor counted at the step's end", ctx.optimizer)
+        ctx.notes.append(f"optimizer {ctx.optimizer}: the step's transient not measured (no torch.optim class)")
     nodes, edges, meta = frontend.assemble(ctx)
     graph = Graph(nodes, edges, fixed, {
         **step_meta(model, ctx.args, ctx.kwargs, dev, ctx.name, ctx.profile, ctx.repeats, ctx.warmup, ctx.flops_model,
                     ctx.loss_fn, ctx.optimizer, breakdown),
         "granularity": frontend.granularity, "grads": ctx.grads,
-        **({"model_inputs": ctx.model_inputs} if ctx.model_inputs is not None else {}), **meta})
+        **({"model_inputs": ctx.model_inputs} if ctx.model_inputs is not None else {}),
+        **({"optimizer_step_bytes": step_bytes} if step_bytes else {}), **meta})
     total = time.perf_counter() - t_start
     graph.meta["trace_seconds"] = {"capture": round(t_capture, 4), "profile": round(t_profile, 4),
                                    "total": round(total, 4)}
@@ -402,4 +456,4 @@ def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | 
 
 __all__ = ["Frontend", "TraceContext", "prepare", "trace_with", "default_loss", "model_inputs", "step_loss", "check_model_inputs", "split_inputs", "resolve_device",
            "prepare_trace", "step_meta", "model_fingerprint", "fixed_bytes", "host_device_bandwidth",
-           "plain_step_peaks", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]
+           "plain_step_peaks", "make_optimizer", "optimizer_tensors", "optimizer_step_bytes", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]

@@ -3,9 +3,11 @@
 
 Each step draws a fresh random batch shaped like the example (floating tensors ``randn``,
 integer tensors uniform in ``[0, max(example) + 1)``, so token ids stay in the vocabulary), runs
-``loss = planned(*batch); loss.backward(); optimizer.step()`` with plain SGD (natively,
-``planned(*batch)`` is ``loss_fn(model(*batch), *batch)`` on the hooked model), and measures the
-step's peak device bytes and wall time with `remat.measure`.  Gradients are zeroed as the graph
+``loss = planned(*batch); loss.backward(); optimizer.step()`` (natively, ``planned(*batch)`` is
+``loss_fn(model(*batch), *batch)`` on the hooked model), and measures the step's peak device
+bytes and wall time with `remat.measure`: with the optimizer the graph names
+(``meta["optimizer"]``, `base.make_optimizer`) its step is inside the measurement, as its state
+and its step's transient are in the plan; without one, plain SGD steps after it.  Gradients are zeroed as the graph
 was traced for (`gradients_to_none`): with ``meta["grads"] == "accumulated"`` by PyTorch's
 default ``zero_grad()`` (set to None: each step allocates them in its backward, the backward
 nodes' persistent bytes), with ``"resident"`` (and in graphs that do not say) in place,
@@ -30,7 +32,7 @@ from remat.core.plan import Plan
 from .applying import apply
 from .native import NativeExecution
 from .measuring import Measurement, measure
-from .base import default_loss, split_inputs, step_loss
+from .base import default_loss, make_optimizer, optimizer_tensors, split_inputs, step_loss
 
 
 __all__ = ["run_plan", "RunReport", "random_batch", "gradients_to_none"]
@@ -123,7 +125,10 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
     # batches are drawn from host templates: a device copy of the example would stay resident
     # beside each batch, one batch more than the plan counts
     args = tree_map(lambda x: x.detach().to("cpu") if isinstance(x, torch.Tensor) else x, args)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    # the optimizer the graph names runs inside the measured step (its state and its step's
+    # transient are in the plan); without one, plain SGD after it, outside the measurement
+    named = plan.graph.meta.get("optimizer")
+    opt = make_optimizer(named, model.parameters(), lr) if named else torch.optim.SGD(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     report = RunReport(plan, str(dev), executor="native" if native else "interpreter",
@@ -132,7 +137,7 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
 
     def fixed(batch: tuple) -> list:
         return (list(model.parameters()) + list(model.buffers()) + tree_flatten(batch)[0]
-                + [p.grad for p in model.parameters() if p.grad is not None])
+                + [p.grad for p in model.parameters() if p.grad is not None] + optimizer_tensors(opt))
 
     for k in range(steps + 1):  # step 0: warm-up
         batch = random_batch(args, gen, dev)
@@ -143,8 +148,11 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
             loss = planned(*batch)
             loss.backward()
             box.append(loss.detach())
+            if named:
+                opt.step()
         m = measure(step, dev, resident=fixed(batch))
-        opt.step()
+        if not named:
+            opt.step()
         if k == 0:
             continue
         report.losses.append(float(box[0]))
@@ -158,7 +166,11 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
     for _ in range(steps if plain else 0):
         batch = random_batch(args, gen, dev)
         opt.zero_grad(set_to_none=to_none)
-        report.plain_steps.append(measure(lambda: step_loss(model, loss_fn, batch, count=plan.graph.meta.get("model_inputs")).backward(), dev,
-                                          resident=fixed(batch)))
+
+        def plain_step() -> None:
+            step_loss(model, loss_fn, batch, count=plan.graph.meta.get("model_inputs")).backward()
+            if named:
+                opt.step()
+        report.plain_steps.append(measure(plain_step, dev, resident=fixed(batch)))
     opt.zero_grad(set_to_none=to_none)
     return report

@@ -283,6 +283,9 @@ def infeasible_message(graph: Graph, budget_bytes: int, solver: str, found: int,
     what = "parameters, inputs" if graph.meta.get("grads") == "accumulated" else "parameters, gradients, inputs"
     fixed = (f"{format_bytes(graph.fixed_bytes)} of it are fixed ({what}) and no "
              f"schedule can remove them" if graph.fixed_bytes else "none of it is fixed bytes")
+    if graph.optimizer_step_bytes:
+        fixed += (f"; the optimizer's step needs {format_bytes(graph.optimizer_step_bytes)} more at the step's "
+                  "end, beside the gradients")
     if budget_bytes >= found:
         return (f"solver {solver!r} found no schedule within the budget {format_bytes_exact(budget_bytes)}, "
                 f"but {by} found one that needs {format_bytes_exact(found)}: plan with the solver 'ilp', or "

@@ -358,14 +358,14 @@ def rotor(graph: Graph, budget_bytes: int | None = None, *, slots: int = SLOTS, 
         budget_bytes = graph.fixed_bytes + sum(v.bytes for v in graph.nodes)
     # the DP does not model persistent bytes (gradients allocated at their first accumulation):
     # it plans as if all of them were there from the start, which only costs room
-    cap = budget_bytes - graph.fixed_bytes - graph.persistent_total
+    cap = budget_bytes - graph.fixed_bytes - graph.step_end_bytes
     ops = None
     if cap > 0:
         ops, predicted, _, blocks = plan(graph, cap, slots)
     if ops is None:
         widest = sum(v.bytes for v in graph.nodes)  # everything resident at once: always enough
         _, _, smallest, _ = plan(graph, widest, slots)
-        least = None if smallest is None else graph.fixed_bytes + graph.persistent_total + smallest
+        least = None if smallest is None else graph.fixed_bytes + graph.step_end_bytes + smallest
         raise InfeasibleBudgetError(
             f"rotor: no schedule of the block DP fits {budget_bytes} bytes"
             + (f"; it needs at least about {least} bytes" if least is not None else ""),

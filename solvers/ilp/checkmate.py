@@ -300,7 +300,9 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
                 add(u + W[k] * rk <= B - PB[t], f"workspace_{t}_{k}")
             prev = u
 
-    if sum(P) > B:  # (the step's end holds every persistent byte: no schedule fits)
+    if sum(P) > B or graph.step_end_bytes > act_budget:
+        # (the step's end holds every persistent byte, and the optimizer's step its transient on
+        # top: no schedule fits)
         add(U[n - 1, n - 1] <= -1, "persistent_end")
 
     # no-waste cuts
