@@ -18,7 +18,8 @@ meter (`remat.measure`: the exact storage accounting on the CPU) and every time 
     python benchmarks/real_models.py --cases resnet50 --steps 2 --time-limit 120
 
 Cases: torchvision ResNet-50 (batch 8, 224 px), torchvision ViT-B/16 (batch 8, 224 px, its default
-dropout 0), a transformers GPT-2 of 12 layers, width 768, sequence 256 (batch 2, vocabulary 8192).
+dropout 0), transformers' GPT-2 124M (12 layers, width 768, vocabulary 50257; batch 2, sequence
+256; dropout 0.1).
 Output: one CSV row per variant (``--out``) and a line per variant on stdout.
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ from remat.frontends.run import run_plan  # noqa: E402
 CASES = {
     "resnet50": lambda: (*vision.get("resnet50", batch=8, tiny=False), vision.cross_entropy),
     "vit_b_16": lambda: (*vision.get("vit_b_16", batch=8, tiny=False, dropout=0.0), vision.cross_entropy),
-    "gpt2": lambda: hf_gpt2(batch=2, seq=256, layers=12, width=768, heads=12, vocab=8192),
+    "gpt2": lambda: hf_gpt2(batch=2, seq=256, layers=12, width=768, heads=12, vocab=50257),
 }
 COLUMNS = ("case", "variant", "granularity", "nodes", "budget", "predicted_peak", "measured_peak",
            "measured_over_predicted", "peak_over_plain", "predicted_overhead", "measured_overhead", "step_s",
