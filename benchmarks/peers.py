@@ -69,8 +69,9 @@ def hf_gpt2(batch: int = 8, seq: int = 256, layers: int = 4, width: int = 128, h
     ids, and the next-token loss a user's loop computes from its logits."""
     import transformers
     torch.manual_seed(0)
+    # (no KV cache in training: a DynamicCache in the output stops torch.export)
     cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=seq,
-                                  bos_token_id=0, eos_token_id=0)
+                                  bos_token_id=0, eos_token_id=0, use_cache=False)
     model = transformers.GPT2LMHeadModel(cfg).train()
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
 
