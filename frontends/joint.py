@@ -517,7 +517,7 @@ def split_outputs(members: list, group_of: dict, storage_of: dict) -> list:
     buckets: dict = {}
     for n in members[1:]:
         uid = storage_of.get(n)
-        if uid is not None and (n in outside or uid in buckets):
+        if uid is not None:
             buckets.setdefault(uid, []).append(n)
     read = [uid for uid, ms in buckets.items() if any(n in outside for n in ms)]
     if len(read) < 2:
