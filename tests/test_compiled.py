@@ -167,7 +167,12 @@ def test_decomposed_steps_draw_the_random_numbers_of_torch_compiles_own_step(ref
     loss0 = _step(torch.compile(own, backend="aot_eager_decomp_partition"), x)
     torch._dynamo.reset()
     m = copy.deepcopy(model)
-    rc = remat.compiler("0.7x", backend="aot_eager_decomp_partition", time_limit=10)
+    # (fixed FLOP-model rates: the plan must not depend on how loaded the machine is when it is
+    # made; at some of the plans a loaded machine's op times led to, the decomposed backend's
+    # measured peak is 3-9 % above the replay, an open residual)
+    from remat.frontends.profile import FlopsModel
+    rc = remat.compiler("0.7x", backend="aot_eager_decomp_partition", time_limit=10, profile="flops",
+                        flops_model=FlopsModel())
     c = torch.compile(m, backend=rc)
     assert torch.equal(_step(c, x), loss0)
     for p, q in zip(m.parameters(), own.parameters()):
