@@ -81,7 +81,6 @@ def run_case(case: str, budgets: list[float], steps: int, time_limit: float) -> 
     wanted = [(f"{b:g}x", int(b * keep_all)) for b in budgets] + [("at checkpoint's peak", ckpt_peak)]
     for label, budget in wanted + [("tightest", None)]:
         t0 = time.perf_counter()
-        note = ""
         try:
             plan = (tightest_plan(graph, ckpt_peak, time_limit) if budget is None
                     else remat.plan(graph, budget, swap=False, time_limit=time_limit))
@@ -100,7 +99,7 @@ def run_case(case: str, budgets: list[float], steps: int, time_limit: float) -> 
                "measured_over_predicted": rep.peak_bytes / pred, "peak_over_plain": rep.peak_bytes / plain_peak,
                "predicted_overhead": plan.predicted["overhead"], "measured_overhead": rep.step_time / plain_s,
                "step_s": rep.step_time, "plan_s": round(plan_s, 1), "status": plan.solver.get("status"),
-               "gap": plan.solver.get("gap"), "note": note}
+               "gap": plan.solver.get("gap")}
         rows.append(row)
         print(f"  remat {label}: budget {budget / mib:.1f} MiB, measured {rep.peak_bytes / mib:.1f} MiB "
               f"({row['measured_over_predicted']:.4f}x predicted, {row['peak_over_plain']:.3f}x plain, "

@@ -279,14 +279,9 @@ def optimizer_step_bytes(model: torch.nn.Module, optimizer: str | None, device: 
         return None
     opt.step()
     held = params + [p.grad for p in params] + optimizer_tensors(opt)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        opt.step()
-        torch.cuda.synchronize(device)
-        return max(0, torch.cuda.max_memory_allocated(device) - before)
-    return max(0, measure_peak(opt.step, resident=held) - unique_bytes(held))
+    # (on CUDA `measure_peak` is the device's whole peak, so the bytes before the step come off)
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else unique_bytes(held)
+    return max(0, measure_peak(opt.step, resident=held, device=device) - before)
 
 
 def host_device_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, dict]:
@@ -431,8 +426,7 @@ def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
     return graph
 
 
-def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | None = None,
-                     count: int | None = None) -> tuple[int, int]:
+def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | None = None) -> tuple[int, int]:
     """Peak bytes of one plain training step (forward, loss, backward) of `model` on `inputs`:
     (with the gradients kept from a previous step, as `zero_grad(set_to_none=False)` leaves
     them; with them freed, PyTorch's default `set_to_none=True`).  The model's state is
@@ -441,7 +435,7 @@ def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | 
         loss_fn = default_loss
 
     def step() -> None:
-        step_loss(model, loss_fn, tuple(inputs), count=count).backward()
+        step_loss(model, loss_fn, tuple(inputs)).backward()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     resident = list(model.parameters()) + list(model.buffers()) + list(inputs)
     step()
@@ -454,6 +448,7 @@ def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | 
     return kept, freed
 
 
-__all__ = ["Frontend", "TraceContext", "prepare", "trace_with", "default_loss", "model_inputs", "step_loss", "check_model_inputs", "split_inputs", "resolve_device",
-           "prepare_trace", "step_meta", "model_fingerprint", "fixed_bytes", "host_device_bandwidth",
-           "plain_step_peaks", "make_optimizer", "optimizer_tensors", "optimizer_step_bytes", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]
+__all__ = ["Frontend", "TraceContext", "prepare", "trace_with", "default_loss", "model_inputs", "step_loss",
+           "check_model_inputs", "split_inputs", "resolve_device", "prepare_trace", "step_meta", "model_fingerprint",
+           "fixed_bytes", "host_device_bandwidth", "plain_step_peaks", "make_optimizer", "optimizer_tensors",
+           "optimizer_step_bytes", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]

@@ -126,10 +126,11 @@ class PlannedStep(PlannedBase):
         depth = meta.get("depth") or 1
         mode = "eager" if meta.get("capture") == EAGER else "auto"
         self._check_model(args, kwargs)
+        taken_args = model_inputs(model, args, kwargs, meta.get("model_inputs"))
         snapshot = [(b, b.detach().clone()) for b in model.buffers()]
         try:
             with torch.random.fork_rng(devices=[]):
-                cap = capture(model, model_inputs(model, args, kwargs, meta.get("model_inputs")), kwargs, mode=mode)
+                cap = capture(model, taken_args, kwargs, mode=mode)
         finally:
             with torch.no_grad():
                 for b, saved in snapshot:
@@ -152,7 +153,7 @@ class PlannedStep(PlannedBase):
                 cap.values[node] = None
         # the capture's input positions count the model's inputs; a batch's flat inputs also hold
         # the loss's own (labels) between the model's positional inputs and the keyword ones
-        taken = len(tree_flatten(model_inputs(model, args, kwargs, meta.get("model_inputs")))[0])
+        taken = len(tree_flatten(taken_args)[0])
         skipped = len(tree_flatten(args)[0]) - taken
         self._flat_index = {node: cap.targets[node] + (skipped if cap.targets[node] >= taken else 0)
                             for node, kind in cap.kinds.items() if kind == "input"}

@@ -356,8 +356,9 @@ def rotor(graph: Graph, budget_bytes: int | None = None, *, slots: int = SLOTS, 
     at once).  Raises `InfeasibleBudgetError` with the smallest budget the DP reaches."""
     if budget_bytes is None:
         budget_bytes = graph.fixed_bytes + sum(v.bytes for v in graph.nodes)
-    # the DP does not model persistent bytes (gradients allocated at their first accumulation):
-    # it plans as if all of them were there from the start, which only costs room
+    # the DP does not model persistent bytes (gradients allocated at their first accumulation)
+    # nor the optimizer step's transient at the end: it plans as if all of them were there from
+    # the start, which only costs room
     cap = budget_bytes - graph.fixed_bytes - graph.step_end_bytes
     ops = None
     if cap > 0:
