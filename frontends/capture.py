@@ -157,6 +157,29 @@ def quiet_torch_logs():
 
 
 # ---- 1. torch.export -------------------------------------------------------------------------
+@contextlib.contextmanager
+def traced_like_export():
+    """Run the model's Python as `torch.export` does: `torch.compiler.is_compiling()` and
+    `is_exporting()` answer True, so libraries take their traceable paths (transformers skips its
+    data-dependent packed-sequence check, which otherwise reads a tensor's value while fake
+    tensors are traced: ``DataDependentOutputException: aten._local_scalar_dense``).  torch.export
+    enters this same state around its tracing (`torch._export.utils._compiling_state_context`)."""
+    try:
+        from torch._export.utils import _compiling_state_context as state
+    except ImportError:  # pragma: no cover - older or newer torch: the public flags by hand
+        state = None
+    if state is not None:
+        with state():
+            yield
+        return
+    old = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
+    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
+
+
 def capture_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
     from torch.export import export
     from torch.export.graph_signature import InputKind, OutputKind

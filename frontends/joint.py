@@ -75,7 +75,7 @@ from remat.core.errors import InvalidInputError
 from remat.core.graph import Graph, Node
 
 from .base import Frontend, TraceContext, prepare, step_loss, trace_with
-from .capture import CaptureError, quiet_torch_logs
+from .capture import CaptureError, quiet_torch_logs, traced_like_export
 from .measuring import AllocatorWindow, StorageTracker, on_autograd_thread, storage_bytes, storage_key, unique_bytes
 from .profile import FlopsModel, Timer, is_random
 
@@ -137,7 +137,7 @@ def capture_joint(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Ca
     def export():
         return aot_export_module(wrapper, args, trace_joint=True, output_loss_index=0, kwargs=kwargs or None)
     try:
-        with torch.random.fork_rng(devices=[]), quiet_torch_logs():
+        with torch.random.fork_rng(devices=[]), quiet_torch_logs(), traced_like_export():
             try:
                 gm, sig = export()
             except AssertionError as e:
