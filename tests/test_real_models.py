@@ -217,3 +217,20 @@ def test_the_predicted_plain_peak_is_the_measured_plain_autograd_peak(traced):
         pytest.xfail(f"{name}: the joint program's keep-all peak is {predicted / measured:.3f}x plain autograd's "
                      "(attention dropout decomposed differently from eager's SDPA math kernel)")
     assert abs(predicted - measured) <= 0.10 * measured, (name, graph.meta["granularity"], predicted, measured)
+
+
+def test_gpt2_without_a_cache_captures_its_joint_graph():
+    # use_cache=False (training) sends transformers through a packed-sequence check that reads a
+    # tensor's value unless the model runs as torch.export runs it
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    import transformers
+
+    from remat.frontends.joint import capture_joint
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                                  bos_token_id=0, eos_token_id=0, use_cache=False)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    cap = capture_joint(model, (ids,), {}, lm_loss)
+    assert any("scaled_dot_product" in str(n.target) or "bmm" in str(n.target) for n in cap.gm.graph.nodes)
+    assert not torch.compiler.is_compiling()      # the state is left as it was
