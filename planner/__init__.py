@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 __all__ = ["Graph", "Node", "Schedule", "Stage", "Op", "simulate", "SimResult",
            "plan", "Plan", "load_plan", "sweep", "SWEEP_COLUMNS", "parse_budget", "format_bytes",
            "RematError", "InvalidInputError", "InfeasibleBudgetError", "SolverError", "trace", "apply", "measure",
-           "capacity", "compiler"]
+           "capacity", "compiler", "partition"]
 
 # the module paths of the layout before docs/design.md's, kept importable (with a warning)
 MOVED_MODULES = {
@@ -39,7 +39,8 @@ register_moved(MOVED_MODULES)
 # loaded on first use only, so `import remat` stays torch-free
 _LAZY = {"trace": ("remat.frontends.tracing", "trace"), "apply": ("remat.frontends.applying", "apply"),
          "measure": ("remat.frontends.measuring", "measure"), "capacity": ("remat.sizing", "capacity"),
-         "compiler": ("remat.compiling", "compiler")}
+         "compiler": ("remat.compiling", "compiler"),
+         "partition": ("remat.partitioning", "partition")}
 
 
 def __getattr__(name: str):

@@ -269,6 +269,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_run(args, solver_options(args), trace_options(args))
 
 
+def cmd_partition(args: argparse.Namespace) -> int:
+    from .budget import parse_memory
+    args.budget_bytes = None if args.budget is None else parse_memory(args.budget)
+    _write(args.output, lambda p: None)
+    from .model_commands import run_partition  # imports torch
+    return run_partition(args)
+
+
 def cmd_capacity(args: argparse.Namespace) -> int:
     from .budget import parse_memory
     args.memory_bytes = parse_memory(args.memory)
@@ -479,6 +487,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to write the plan for the largest size (default capacity-plan.json)")
     _add_trace_options(p)
     p.set_defaults(func=cmd_capacity)
+
+    p = sub.add_parser("partition", help="split MODEL's step across devices (Tofu) under a per-device budget",
+                       description="Capture one step of MODEL as ATen ops, split every op across --devices devices "
+                       "(Tofu's recursive 2-way search, least communication whose per-device peak fits --budget), "
+                       "print the split per block, per-device memory and communication beside data parallel, "
+                       "FSDP-style, Megatron-style and layer placement, and write the partition plan.",
+                       epilog="Costs are bytes communicated per step and a FLOP model of time; running a "
+                       "partition plan on torch.distributed is not implemented yet.")
+    p.add_argument("model", metavar="MODEL", help="zoo name, FILE.py:FACTORY or package.module:FACTORY")
+    p.add_argument("--devices", type=_positive_int, required=True, help="number of devices (a power of 2)")
+    p.add_argument("--budget", default=None, help="memory per device, e.g. 20GiB (default: none, least communication)")
+    p.add_argument("--optimizer", choices=("none", "sgd", "adam"), default="none",
+                   help="optimizer state per parameter counted per device: sgd (momentum) 1x, adam 2x (default none)")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="do not let the single-device planner recompute when no split fits the budget as it is")
+    p.add_argument("--batch", type=_positive_int, default=None, help="batch size (default: the model's)")
+    p.add_argument("--input-shape", default=None, help="one example's shape without the batch, e.g. 3,224,224")
+    p.add_argument("--full", action="store_true", help="zoo models at their published size")
+    p.add_argument("--time-limit", type=_positive_float, default=30.0, metavar="SECONDS",
+                   help="the single-device planner's time limit when it recomputes (default 30)")
+    p.add_argument("-o", "--output", default="partition.json", metavar="PARTITION.json",
+                   help="where to write the plan (default partition.json)")
+    p.set_defaults(func=cmd_partition)
 
     p = sub.add_parser("simulate", help="re-simulate a plan: peak, time, breakdown, fit",
                        description="Replay a plan's schedule in the simulator and report peak memory, time "

@@ -265,6 +265,28 @@ def run_trace(args: Any) -> int:
     return 0
 
 
+def run_partition(args: Any) -> int:
+    """``remat partition``: capture MODEL's step as ATen ops, split it over ``--devices``, print
+    the split and the baselines, write the partition plan."""
+    from remat.frontends.partitioning import op_graph
+
+    from .partitioning import partition, report
+    model, inputs, name = load_model(args.model, batch=args.batch, input_shape=parse_shape(args.input_shape),
+                                     full=args.full)
+    graph = op_graph(model, inputs, name=name)
+    factor = {"none": 0.0, "sgd": 1.0, "adam": 2.0}[args.optimizer]
+    p = partition(graph, args.devices, args.budget_bytes, optimizer_factor=factor, recompute=not args.no_recompute,
+                  time_limit=args.time_limit)
+    for line in report(p):
+        print(line)
+    try:
+        p.save(args.output)
+    except OSError as e:
+        raise RematError(f"cannot write {args.output!r}: {e.strerror or e}") from e
+    print(f"wrote {args.output}")
+    return 0
+
+
 def run_capacity(args: Any, solver_options: dict, trace_options: dict) -> int:
     """``remat capacity``: the largest batch (``--seq``: sequence length) whose planned step fits
     ``--memory``, per overhead level; a line per size probed as it is decided, the answers,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from remat.solvers.partition import (PARTIAL, REPLICATE, RULES, OpRule, Shard, memory_per_device,
-                                     redistribute_bytes, search, strategies)
+                                     redistribute_bytes, strategies)
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -113,7 +113,3 @@ def test_memory_and_communication_per_device():
     assert redistribute_bytes(Shard(0), Shard(1), n, 4) == 187             # all-to-all
     assert redistribute_bytes(PARTIAL, REPLICATE, n, 1) == 0
 
-
-def test_the_search_is_not_built_and_says_what_is_missing():
-    with pytest.raises(NotImplementedError, match="recursive 2-way search"):
-        search(None, 4, 1 << 30)

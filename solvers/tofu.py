@@ -1,0 +1,497 @@
+"""Tofu's partition search: split every op of a training step across k = 2^m devices.
+
+The graph (`OpGraph`) is the forward of one step, loss included, as ATen ops with their tensors'
+shapes (`remat.frontends.partitioning` captures it); each op carries its description in index
+notation (`partition.rule_for`).  The backward is not listed: each op's backward is costed from
+its forward's strategy, as Tofu costs an op's forward and backward together.
+
+**One 2-way cut** chooses a placement per tensor (`REPLICATE`, or `Shard(d)` along a dimension
+of even size) and a strategy per op (a split along one index, `partition.strategies`; light
+ops, and ops with no split, may also run *replicated*: every device the whole op, as Megatron
+runs layer norms).  A tensor's gradient has its tensor's placement.  Communicated bytes, summed
+over both devices (`conversion`: 2 x `partition.redistribute_bytes` at k = 2), for an op run with
+strategy s, its inputs placed P_i and its outputs P_o:
+
+* forward: each input converted P_i -> s.in_i; each output s.out_o (partial sums included) -> P_o;
+* backward: each output's gradient P_o -> what s needs of it (the shard s produced; whole where
+  s's output was a partial sum or replicated); each input's gradient, computed as s.in_i where
+  that is a shard, as partial sums where the input was whole under a split (each device's part
+  contributes to all of it), whole under a replicated run, converted to P_i; a parameter is
+  converted P_i -> s.in_i again for the backward (FSDP's second gather), an activation's
+  converted copy is kept from the forward.
+
+**The search** (`cut`): a dynamic program over the ops in order whose state is the placement of
+every tensor still to be read (the frontier).  It is exact (the minimum of the cost above) while
+the frontier's states stay under ``max_states``; beyond, it keeps the cheapest states and says so
+(``exact: False``).  A memory term steers it: the objective is bytes communicated + lambda x
+bytes per device (parameters with their gradient and optimizer state, each activation once, the
+copies an op converts and keeps); `partition` raises lambda by bisection until the per-device
+peak fits the budget.
+
+**k = 2^m devices** (Tofu's recursion): cut the graph in 2, halve every tensor along its placement,
+cut each half again with the same strategies (the halves are alike, so one solve serves both):
+total bytes = sum over levels l of 2^l x (the cut's bytes at level l).  A tensor's placement is
+one per mesh dimension, as DTensor places it on a ``(2, 2, ...)`` device mesh.
+
+**Per-device memory** is the simulator's (`device_graph`): each forward op a node with its
+outputs' bytes per device (views share their base's storage), the loss, each op's backward a node
+that reads the forward tensors it saves (its inputs; its output for the ops that save it) and
+allocates its inputs' gradients, parameter gradients at their first accumulation; parameters (and
+optimizer state) fixed.  The keep-everything schedule's peak is the partition's prediction;
+`remat.plan` on that graph composes the single-device planner (recompute, swap) with it.  Node
+times are a FLOP model (``FLOPS`` per second for the products, ``BYTES_PER_S`` for the rest), enough
+for the planner's trade-offs, not a measurement.
+
+Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from remat.core.errors import InfeasibleBudgetError, InvalidInputError
+from remat.core.graph import Graph, Node
+
+from remat.core.opgraph import OpGraph, OpInfo
+
+from .partition import (LIGHT, Placement, REPLICATE, Shard, Strategy, letter_sizes, redistribute_bytes, rule_for,
+                        strategies)
+
+FORMAT = "remat.partition"
+VERSION = 1
+FLOPS = 1e11            # per second, products and attention (the FLOP model of `device_graph`)
+BYTES_PER_S = 1e10      # per second, every other op (read and write once)
+VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "transpose", "t", "permute", "unsqueeze", "squeeze",
+         "split", "split_with_sizes", "chunk", "unbind", "slice", "select", "narrow", "expand", "alias", "detach",
+         "expand_as", "lift_fresh_copy", "_assert_tensor_metadata"}
+# ops whose backward reads their own output (the rest: their inputs)
+SAVES_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "scaled_dot_product_attention",
+                "_scaled_dot_product_flash_attention_for_cpu", "tanh", "sigmoid", "exp", "native_dropout",
+                "dropout", "native_layer_norm", "_native_batch_norm_legit_functional"}
+HEAVY = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "convolution", "conv1d", "conv2d", "conv3d",
+         "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu", "embedding"}
+REPLICATED = Strategy("", (), ())   # every device runs the whole op (its placements: all whole)
+
+
+# ---- the ops' descriptions ------------------------------------------------------------------------
+def describe(g: OpGraph) -> list:
+    """Each op's `OpRule` at its shapes (`partition.rule_for`), in the order of `g.ops`; computed
+    once per graph."""
+    cached = g.meta.get("rules")
+    if isinstance(cached, list) and len(cached) == len(g.ops):
+        return cached
+    rules = []
+    for o in g.ops:
+        rule = rule_for(o.op, [g.tensors[t].shape for t in o.inputs], [g.tensors[t].shape for t in o.outputs], o.args)
+        n_in = len(rule.inputs) if o.inputs or rule.inputs != [""] else 0   # ("->a": no inputs)
+        if n_in != len(o.inputs) or len(rule.outputs) != len(o.outputs):
+            raise InvalidInputError(f"op {o.id} ({o.op}): its description {rule.spec!r} does not match its "
+                                    f"{len(o.inputs)} inputs and {len(o.outputs)} outputs")
+        rules.append(rule)
+    g.meta["rules"] = rules
+    return rules
+
+
+def rule(g: OpGraph, op: OpInfo):
+    """`op`'s description (`describe`)."""
+    return describe(g)[op.id]
+
+
+def undescribed(g: OpGraph) -> list:
+    """Names of the ops `partition.rule_for` does not describe (they run whole on every device)."""
+    return sorted({o.op for o, r in zip(g.ops, describe(g))
+                   if r.indices and all(why == "not described" for _, why in r.fixed) and len(r.fixed) == len(r.indices)})
+
+
+# ---- one cut's costs --------------------------------------------------------------------------
+def conversion(src: Placement, dst: Placement, nbytes: int) -> int:
+    """Bytes across a 2-way cut (both devices' sends) to turn `src` into `dst`."""
+    return 2 * redistribute_bytes(src, dst, nbytes, 2)
+
+
+def placements(shape: tuple) -> list:
+    """A tensor's placements in one cut: whole, or halved along a dimension of even size."""
+    return [REPLICATE] + [Shard(d) for d, n in enumerate(shape) if n >= 2 and n % 2 == 0]
+
+
+def halved(shape: tuple, p: Placement) -> tuple:
+    if p.kind != "shard":
+        return tuple(shape)
+    return tuple(n // 2 if d == p.dim else n for d, n in enumerate(shape))
+
+
+def op_strategies(g: OpGraph, op: OpInfo, shapes: dict) -> list:
+    """The strategies of `op` at these shapes: splits along an index of even size; the replicated
+    run for a light op or an op with no split."""
+    ins, outs = [shapes[t] for t in op.inputs], [shapes[t] for t in op.outputs]
+    r = rule(g, op)
+    sizes = letter_sizes(r, ins, outs)
+    found = [s for s in strategies(r) if sizes.get(s.index, 0) >= 2 and sizes[s.index] % 2 == 0]
+    if op.op in LIGHT or op.op not in HEAVY or not found:
+        found.append(REPLICATED)
+    return found
+
+
+def _placed(s: Strategy, which: str, i: int) -> Placement:
+    if s is REPLICATED:
+        return REPLICATE
+    return (s.inputs if which == "in" else s.outputs)[i]
+
+
+def input_costs(g: OpGraph, op: OpInfo, s: Strategy, i: int, p: Placement, nbytes: int) -> tuple[int, int]:
+    """(communicated bytes, kept bytes per device) of input i of `op` placed `p` under `s`."""
+    t = g.tensors[op.inputs[i]]
+    want = _placed(s, "in", i)
+    comm = conversion(p, want, nbytes)
+    if t.kind == "parameter":
+        comm *= 2                                   # gathered again for the backward
+    kept = 0
+    if t.kind == "activation" and want != p:
+        kept = _per_device(want, nbytes)            # the converted copy, saved for the backward
+    if t.grad:
+        if s is REPLICATED or want.kind == "partial":
+            grad = REPLICATE
+        elif want.kind == "shard":
+            grad = want
+        else:
+            grad = Placement("partial")
+        comm += conversion(grad, p, nbytes)
+    return comm, kept
+
+
+def output_costs(g: OpGraph, op: OpInfo, s: Strategy, j: int, p: Placement, nbytes: int) -> tuple[int, int]:
+    """(communicated bytes, bytes per device) of output j of `op` placed `p` under `s`."""
+    t = g.tensors[op.outputs[j]]
+    made = _placed(s, "out", j)
+    comm = conversion(made, p, nbytes)
+    if t.grad:
+        need = made if made.kind == "shard" else REPLICATE
+        comm += conversion(p, need, nbytes)
+    return comm, (0 if op.op in VIEWS else _per_device(p, nbytes))
+
+
+def _per_device(p: Placement, nbytes: int) -> int:
+    return -(-nbytes // 2) if p.kind == "shard" else nbytes
+
+
+# ---- the dynamic program ----------------------------------------------------------------------
+@dataclass
+class Cut:
+    """One 2-way cut: a placement per tensor and a strategy per op, its communicated bytes (both
+    devices), its memory term (bytes per device, the objective's proxy) and whether the program
+    was exact."""
+    placement: dict
+    strategy: dict
+    comm: int
+    memory: int
+    exact: bool
+    states: int
+
+
+def cut(g: OpGraph, shapes: dict, lam: float = 0.0, allowed: dict | None = None, max_states: int = 4096,
+        optimizer_factor: float = 0.0, only=None) -> Cut:
+    """The cheapest 2-way cut of `g` at `shapes` (tensor id -> shape): communicated bytes +
+    `lam` x bytes per device.  `allowed` (tensor id -> placements) and `only` (``only(op,
+    strategy) -> bool``) restrict tensors and ops (the baselines); an op none of whose splits
+    `only` allows runs replicated."""
+    allowed = allowed or {}
+    last: dict = {}
+    first: dict = {}
+    for idx, op in enumerate(g.ops):
+        for t in op.inputs:
+            last[t] = idx
+            first.setdefault(t, idx)
+        for t in op.outputs:
+            first.setdefault(t, idx)
+            last.setdefault(t, idx)
+    last[g.loss] = len(g.ops)
+
+    def cands(t: int) -> list:
+        own = placements(shapes[t])
+        return [p for p in own if p in allowed[t]] or [REPLICATE] if t in allowed else own
+
+    factor = {t: (2 + optimizer_factor if info.kind == "parameter" and info.grad else 1)
+              for t, info in g.tensors.items()}
+    # the frontier (tensors placed and still to be read), in a fixed order; a state is the tuple
+    # of their placements -> (objective, comm, memory, back pointer)
+    frontier: list = []
+    states: dict = {(): (0.0, 0, 0, None)}
+    exact = True
+    peak_states = 1
+    for idx, op in enumerate(g.ops):
+        nb = {t: math.prod(shapes[t]) * g.tensors[t].itemsize for t in op.inputs + op.outputs}
+        strats = op_strategies(g, op, shapes)
+        if only is not None:
+            strats = [x for x in strats if x is REPLICATED or only(op, x)] or [REPLICATED]
+        pos = {t: k for k, t in enumerate(frontier)}
+        old_in = [(i, pos[t]) for i, t in enumerate(op.inputs) if t in pos]
+        new_in = [t for i, t in enumerate(op.inputs) if t not in pos and t not in op.inputs[:i]]
+        new = new_in + [t for t in op.outputs if t not in new_in]
+        staying = [t for t in frontier if last[t] > idx]
+        born = [t for t in new if last[t] > idx]
+        nxt_frontier = staying + born
+        keep = [pos[t] for t in staying]
+        plans = []   # per strategy: (its table for placed inputs, [(comm, memory, born placements, choice)])
+        for s in strats:
+            table = [(i, k, {p: input_costs(g, op, s, i, p, nb[op.inputs[i]]) for p in cands(op.inputs[i])})
+                     for i, k in old_in]
+            options = []
+            for t in new:
+                opts = []
+                for p in cands(t):
+                    c = m = 0
+                    if t in new_in:
+                        m = factor[t] * _per_device(p, nb[t])
+                        for i2, t2 in enumerate(op.inputs):
+                            if t2 == t:
+                                c2, m2 = input_costs(g, op, s, i2, p, nb[t])
+                                if g.tensors[t].kind == "input" and p == _placed(s, "in", i2):
+                                    c2 = 0                            # the loader places it so
+                                c, m = c + c2, m + m2
+                    if t in op.outputs:
+                        c2, m2 = output_costs(g, op, s, op.outputs.index(t), p, nb[t])
+                        c, m = c + c2, m + m2
+                    opts.append((p, c, m))
+                if last[t] <= idx:   # not read after this op: only its cheapest placement matters
+                    opts = [min(opts, key=lambda o: o[1] + lam * o[2])]
+                options.append(opts)
+            combos = []
+            for combo in itertools.product(*options):
+                chosen = tuple((t, o[0]) for t, o in zip(new, combo))
+                combos.append((sum(o[1] for o in combo), sum(o[2] for o in combo),
+                               tuple(o[0] for t, o in zip(new, combo) if last[t] > idx), (s, chosen)))
+            plans.append((table, combos))
+        nxt: dict = {}
+        for key, (obj, comm, mem, back) in states.items():
+            kept = tuple(key[k] for k in keep)
+            for table, combos in plans:
+                bc = bm = 0
+                for i, k, costs in table:
+                    c, m = costs[key[k]]
+                    bc += c
+                    bm += m
+                base = obj + bc + lam * bm
+                for c, m, born_p, choice in combos:
+                    k2 = kept + born_p
+                    o = base + c + lam * m
+                    if k2 not in nxt or o < nxt[k2][0]:
+                        nxt[k2] = (o, comm + bc + c, mem + bm + m, (back, op.id, choice))
+        if not nxt:
+            raise InvalidInputError(f"partition: op {op.id} ({op.op}) has no placement its tensors allow")
+        if len(nxt) > max_states:
+            exact = False
+            nxt = dict(sorted(nxt.items(), key=lambda kv: kv[1][0])[:max_states])
+        peak_states = max(peak_states, len(nxt))
+        states = nxt
+        frontier = nxt_frontier
+    obj, comm, mem, back = min(states.values(), key=lambda v: v[0])
+    placement: dict = {}
+    strategy: dict = {}
+    while back is not None:
+        back, op_id, (s, chosen) = back
+        strategy[op_id] = s
+        for t, p in chosen:
+            placement.setdefault(t, p)
+    for t in g.tensors:
+        placement.setdefault(t, REPLICATE)
+    return Cut(placement, strategy, comm, mem, exact, peak_states)
+
+
+def op_cost(g: OpGraph, shapes: dict, op: OpInfo, s: Strategy, placement: dict) -> int:
+    """Communicated bytes of `op` run with strategy `s`, its tensors placed by `placement`."""
+    total = 0
+    for i, t in enumerate(op.inputs):
+        nb = math.prod(shapes[t]) * g.tensors[t].itemsize
+        if g.tensors[t].kind == "input" and placement[t] == _placed(s, "in", i):
+            continue                                        # the loader places it so
+        total += input_costs(g, op, s, i, placement[t], nb)[0]
+    for j, t in enumerate(op.outputs):
+        nb = math.prod(shapes[t]) * g.tensors[t].itemsize
+        total += output_costs(g, op, s, j, placement[t], nb)[0]
+    return total
+
+
+def evaluate(g: OpGraph, shapes: dict, placement: dict, strategy: dict) -> int:
+    """Communicated bytes of a given cut (the cost `cut` minimises, lambda = 0)."""
+    return sum(op_cost(g, shapes, op, strategy[op.id], placement) for op in g.ops)
+
+
+# ---- k = 2^m devices ----------------------------------------------------------------------------
+@dataclass
+class Split:
+    """The recursive partition over ``2^len(levels)`` devices: per tensor its placement per mesh
+    dimension, per op its strategy per level, the per-device shapes and the bytes communicated
+    per step (all devices; `Cut.comm` of level l counted 2^l times)."""
+    devices: int
+    levels: list
+    placement: dict
+    strategy: dict
+    shapes: dict
+    comm: int
+    exact: bool
+
+    def used_shape(self, g: OpGraph, op: OpInfo, i: int) -> tuple:
+        """Per device, the shape of input i as `op` reads it (after its conversions)."""
+        shape = g.tensors[op.inputs[i]].shape
+        for level in self.strategy[op.id]:
+            shape = halved(shape, _placed(level, "in", i) if level is not REPLICATED else REPLICATE)
+        return shape
+
+
+def levels_of(devices: int) -> int:
+    m = int(round(math.log2(devices))) if devices >= 1 else -1
+    if devices < 1 or 2 ** m != devices:
+        raise InvalidInputError(f"devices: Tofu's recursive search splits in halves, so the device count must be a "
+                                f"power of 2 (1, 2, 4, 8, ...), got {devices}")
+    return m
+
+
+def split(g: OpGraph, devices: int, lam: float = 0.0, **options) -> Split:
+    """Tofu's recursion: cut in 2, halve the tensors, cut again, `levels_of(devices)` times."""
+    shapes = {t: tuple(info.shape) for t, info in g.tensors.items()}
+    levels: list = []
+    comm, exact = 0, True
+    for level in range(levels_of(devices)):
+        c = cut(g, shapes, lam, **options)
+        if all(c.placement[t].kind != "shard" for t in g.tensors):
+            raise InvalidInputError(f"devices: more devices than the model can use: at {2 ** (level + 1)} devices no "
+                                    f"tensor can be split again (the most this search uses is {2 ** level}); "
+                                    "use fewer devices or a larger batch")
+        levels.append(c)
+        comm += 2 ** level * c.comm
+        exact = exact and c.exact
+        shapes = {t: halved(shapes[t], c.placement[t]) for t in shapes}
+    placement = {t: tuple(c.placement[t] for c in levels) for t in g.tensors}
+    strategy = {op.id: tuple(c.strategy[op.id] for c in levels) for op in g.ops}
+    return Split(devices, levels, placement, strategy, shapes, comm, exact)
+
+
+# ---- per-device memory: the simulator's graph --------------------------------------------------
+def _flops(op: OpInfo, r, ins: list, outs: list) -> float:
+    sizes = letter_sizes(r, ins, outs)
+    out_letters = "".join(r.outputs)
+    if op.op in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        q, k, v = ins[:3]
+        return 2.0 * math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
+    summed = {c for c in "".join(r.inputs) if c not in out_letters and sum(c in t for t in r.inputs) >= 2}
+    n = 2.0 * math.prod(sizes[c] for c in set(out_letters) | summed)
+    if op.op.startswith("conv"):
+        n *= math.prod(ins[1][2:])
+    return n
+
+
+def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str = "") -> Graph:
+    """One device's step under `sp` as a remat `Graph` (module docstring): its keep-everything
+    peak is the partition's predicted peak per device; `remat.plan` can plan it further."""
+    nbytes = {t: math.prod(sp.shapes[t]) * info.itemsize for t, info in g.tensors.items()}
+    root = {t: t for t in g.tensors}
+    producer: dict = {}
+    compute = []
+    for op in g.ops:
+        if op.op in VIEWS and op.inputs:
+            for t in op.outputs:
+                root[t] = root[op.inputs[0]]
+                producer[t] = producer.get(root[op.inputs[0]])
+            continue
+        compute.append(op)
+        for t in op.outputs:
+            producer[t] = op.id
+    loss_op = producer.get(root[g.loss])
+    if loss_op is None:
+        raise InvalidInputError("partition: the loss is not computed by any op")
+    forward = [op for op in compute if op.id != loss_op]
+    loss = next(op for op in compute if op.id == loss_op)
+    order = forward + [loss] + [op for op in reversed(forward)]
+    nid = {}
+    nodes: list = []
+    edges: set = set()
+    seen_param: set = set()
+    kept = {}
+
+    def add(kind, op, nbytes_, time, persistent=0):
+        i = len(nodes)
+        nodes.append(Node(i, f"{op.module or op.op}:{op.op}#{op.id}" + (":bwd" if kind == "backward" else ""), kind,
+                          time, int(nbytes_), 0, {}, int(persistent)))
+        return i
+
+    for op in forward + [loss]:
+        ins = [sp.used_shape(g, op, i) for i in range(len(op.inputs))]
+        outs = [sp.shapes[t] for t in op.outputs]
+        flops = _flops(op, rule(g, op), ins, outs) if op.op in HEAVY else 0.0
+        moved = sum(math.prod(s) * g.tensors[t].itemsize for s, t in zip(ins + outs, op.inputs + op.outputs))
+        t_fwd = flops / FLOPS + moved / BYTES_PER_S
+        copies = sum(math.prod(s) * g.tensors[t].itemsize for s, t in zip(ins, op.inputs)
+                     if g.tensors[t].kind == "activation" and math.prod(s) > math.prod(sp.shapes[t]))
+        kept[op.id] = copies
+        out_b = sum(nbytes[t] for t in op.outputs if root[t] == t) + copies
+        kind = "loss" if op is loss else "forward"
+        nid[op.id] = add(kind, op, out_b, t_fwd * (3 if op is loss else 1))
+        for t in op.inputs:
+            p = producer.get(root[t])
+            if p is not None:
+                edges.add((nid[p], nid[op.id]))
+    bwd = {}
+    for op in reversed(forward):
+        grads = sum(nbytes[root[t]] for t in set(op.inputs)
+                    if g.tensors[t].grad and g.tensors[root[t]].kind == "activation")
+        params = [t for t in set(op.inputs) if g.tensors[root[t]].kind == "parameter" and g.tensors[t].grad]
+        first = [t for t in params if root[t] not in seen_param]
+        seen_param.update(root[t] for t in params)
+        persistent = sum(nbytes[root[t]] for t in first)
+        i = add("backward", op, grads, 2 * nodes[nid[op.id]].time, persistent)
+        bwd[op.id] = i
+        # what the backward reads: the forward's saved tensors, and its outputs' gradients
+        for t in op.inputs:
+            p = producer.get(root[t])
+            if p is not None and g.tensors[root[t]].kind == "activation":
+                edges.add((nid[p], i))
+        if op.op in SAVES_OUTPUT or kept[op.id]:
+            edges.add((nid[op.id], i))
+    for op in forward + [loss]:
+        target = bwd.get(op.id, nid[op.id])
+        for t in op.inputs:
+            p = producer.get(root[t])
+            if p is not None and p in bwd and g.tensors[t].grad:
+                edges.add((target, bwd[p]))
+    fixed = sum(nbytes[t] * (1 + (optimizer_factor if info.grad else 0)) for t, info in g.tensors.items()
+                if info.kind == "parameter" and root[t] == t)
+    fixed += sum(nbytes[t] for t, info in g.tensors.items() if info.kind == "input" and root[t] == t)
+    meta = {"model": name or g.meta.get("model", "partition"), "granularity": "partition", "devices": sp.devices,
+            "source": "remat.solvers.tofu.device_graph"}
+    return Graph(nodes, sorted(edges), fixed, meta)
+
+
+# ---- the baselines' restrictions ----------------------------------------------------------------
+def roles(g: OpGraph) -> dict:
+    """{tensor: {"batch": dim, "seq": dim}}: where the batch's dimensions 0 (examples) and 1 (a
+    sequence's positions, for inputs of rank >= 2) went, followed through the ops' index letters
+    from the batch inputs (a dimension merged into another keeps its role when it is the outer one)."""
+    out: dict = {t: {} for t in g.tensors}
+    for t, info in g.tensors.items():
+        if info.kind == "input" and info.shape:
+            out[t]["batch"] = 0
+            if len(info.shape) >= 2:
+                out[t]["seq"] = 1
+    for op in g.ops:
+        found: dict = {}
+        for letters, t in zip(rule(g, op).inputs, op.inputs):
+            for role, d in out[t].items():
+                if d < len(letters):
+                    found.setdefault(role, letters[d])
+        for letters, t in zip(rule(g, op).outputs, op.outputs):
+            for role, c in found.items():
+                if c in letters:
+                    out[t][role] = letters.index(c)
+    return out
+
+
+def role_letters(g: OpGraph, op: OpInfo, where: dict) -> dict:
+    """{role: index letter} of `op` (from its tensors' roles)."""
+    found: dict = {}
+    r = rule(g, op)
+    for letters, t in zip(r.inputs + r.outputs, op.inputs + op.outputs):
+        for role, d in where[t].items():
+            if d < len(letters):
+                found.setdefault(role, letters[d])
+    return found

@@ -1,0 +1,267 @@
+"""Tofu's partition search (`remat.solvers.tofu`, `remat.partition`): ATen ops described at their
+real shapes (each strategy on simulated shards equals the op), the dynamic program against brute
+force, the recursion's accounting, the baselines, the budget, the plan file and the CLI."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import remat  # noqa: E402
+from remat.core.errors import InfeasibleBudgetError, InvalidInputError  # noqa: E402
+from remat.core.simulate import keep_all_peak  # noqa: E402
+from remat.frontends.partitioning import op_graph  # noqa: E402
+from remat.partitioning import PartitionPlan, baseline, partition  # noqa: E402
+from remat.solvers import tofu  # noqa: E402
+from remat.solvers.partition import PARTIAL, REPLICATE, Shard, letter_sizes, rule_for, strategies  # noqa: E402
+
+_GEN = torch.Generator().manual_seed(0)
+
+
+def _g(*shape):
+    return torch.randn(*shape, generator=_GEN, dtype=torch.float64)
+
+
+def _ids(n, *shape):
+    return torch.randint(0, n, shape, generator=_GEN)
+
+
+# name -> (ATen op name, function of the tensors, tensors, positional args as the graph has them)
+ATEN = {
+    "linear 3-d": ("linear", F.linear, lambda: (_g(4, 6, 8), _g(4, 8), _g(4)), ()),
+    "matmul broadcast": ("matmul", torch.matmul, lambda: (_g(2, 4, 6, 8), _g(8, 4)), ()),
+    "addmm": ("addmm", torch.addmm, lambda: (_g(4), _g(6, 8), _g(8, 4)), ()),
+    "add broadcast": ("add", torch.add, lambda: (_g(4, 6, 8), _g(6, 8)), ()),
+    "mul by a column": ("mul", torch.mul, lambda: (_g(4, 6, 8), _g(4, 1, 8)), ()),
+    "view merge": ("view", lambda x: x.reshape(-1, x.shape[-1]), lambda: (_g(4, 6, 8),), (None, [24, 8])),
+    "view split": ("view", lambda x: x.reshape(*x.shape[:-1], x.shape[-1] // 4, 4), lambda: (_g(4, 6, 8),), (None, [4, 6, 2, 4])),
+    "transpose": ("transpose", lambda x: x.transpose(1, 2), lambda: (_g(4, 6, 8),), (None, 1, 2)),
+    "permute": ("permute", lambda x: x.permute(2, 0, 1), lambda: (_g(4, 6, 8),), (None, [2, 0, 1])),
+    "unsqueeze": ("unsqueeze", lambda x: x.unsqueeze(1), lambda: (_g(4, 8),), (None, 1)),
+    "layer_norm": ("layer_norm", lambda x, w, b: F.layer_norm(x, (8,), w, b), lambda: (_g(4, 6, 8), _g(8), _g(8)),
+                   (None, [8], None, None)),
+    "softmax middle": ("_softmax", lambda x: torch.softmax(x, 1), lambda: (_g(4, 6, 8),), (None, 1, False)),
+    "sdpa": ("scaled_dot_product_attention", F.scaled_dot_product_attention,
+             lambda: (_g(2, 4, 6, 8), _g(2, 4, 6, 8), _g(2, 4, 6, 4)), ()),
+    "sdpa with a mask": ("scaled_dot_product_attention", F.scaled_dot_product_attention,
+                         lambda: (_g(2, 4, 6, 8), _g(2, 4, 6, 8), _g(2, 4, 6, 4), _g(2, 1, 6, 6)), ()),
+    "embedding": ("embedding", lambda w, i: F.embedding(i, w), lambda: (_g(10, 8), _ids(10, 4, 6)), ()),
+    "sum of a dim": ("sum", lambda x: x.sum(1), lambda: (_g(4, 6, 8),), (None, [1])),
+    "mean of all": ("mean", lambda x: x.mean(), lambda: (_g(4, 6, 8),), (None,)),   # partial means: averaged
+    "cross entropy": ("cross_entropy_loss", lambda x, y: F.cross_entropy(x, y, reduction="sum"),
+                      lambda: (_g(8, 6), _ids(6, 8)), (None, None, None, 2)),
+    "conv2d": ("convolution", lambda x, w, b: F.conv2d(x, w, b, padding=1),
+               lambda: (_g(4, 4, 6, 6), _g(8, 4, 3, 3), _g(8)), (None, None, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)),
+    "batch_norm": ("batch_norm", lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+                   lambda: (_g(4, 8, 4, 4), _g(8), _g(8)), ()),
+    "max_pool2d": ("max_pool2d", lambda x: F.max_pool2d(x, 2), lambda: (_g(4, 8, 6, 6),), (None, [2, 2])),
+    "cat": ("cat", lambda a, b: torch.cat([a, b], 2), lambda: (_g(4, 6, 8), _g(4, 6, 8)), (None, 2)),
+}
+
+
+def _place(t, p, k):
+    if p.kind == "shard":
+        return list(t.chunk(k, dim=p.dim))
+    if p == PARTIAL:
+        return [t] + [torch.zeros_like(t) for _ in range(k - 1)]
+    return [t] * k
+
+
+def _combine(parts, p):
+    if p.kind == "shard":
+        return torch.cat(parts, dim=p.dim)
+    if p == PARTIAL:
+        return sum(parts)
+    assert all(torch.allclose(q, parts[0]) for q in parts[1:])
+    return parts[0]
+
+
+@pytest.mark.parametrize("case", sorted(ATEN))
+def test_aten_ops_at_their_shapes_split_as_described(case):
+    op, fn, make, args = ATEN[case]
+    tensors = make()
+    want = fn(*tensors)
+    rule = rule_for(op, [t.shape for t in tensors], [want.shape], args)
+    sizes = letter_sizes(rule, [t.shape for t in tensors], [want.shape])
+    found = [s for s in strategies(rule) if sizes[s.index] % 2 == 0]
+    assert found, (case, rule)
+    for s in found:
+        placed = [_place(t, p, 2) for t, p in zip(tensors, s.inputs)]
+        parts = [fn(*[p[d] for p in placed]) for d in range(2)]
+        got = _combine(parts, s.outputs[0])
+        if op == "mean" and s.outputs[0] == PARTIAL:
+            got = got / 2                      # (DTensor's Partial("avg"): the same communication)
+        assert torch.allclose(got.double(), want.double(), atol=1e-9), (case, rule.spec, s)
+
+
+def test_coupled_and_unknown_ops_are_not_split():
+    assert {s.index for s in strategies(rule_for("_softmax", [(4, 6, 8)], [(4, 6, 8)], (None, 1, False)))} == {"a", "c"}
+    opaque = rule_for("some_custom_op", [(4, 6)], [(4, 6)])
+    assert strategies(opaque) == []
+    # a reshape that merges dimensions keeps only the outer one of them splittable
+    r = rule_for("view", [(4, 6, 8)], [(4, 48)], (None, [4, 48]))
+    assert r.spec == "abc->ab" and [s.index for s in strategies(r)] == ["a", "b"]
+
+
+# ---- small graphs ------------------------------------------------------------------------------
+class MLP(torch.nn.Module):
+    def __init__(self, width=64, hidden=256):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _square(out, *_):
+    return out.square().mean()
+
+
+def _mlp_graph(batch=8, width=64, hidden=256):
+    torch.manual_seed(0)
+    return op_graph(MLP(width, hidden), (torch.randn(batch, width),), _square)
+
+
+def _brute_force(g, shapes):
+    """The least communication over every placement of every tensor (each op then takes its
+    cheapest strategy: given the placements, the ops' costs are independent)."""
+    tensors = sorted(g.tensors)
+    strat = [tofu.op_strategies(g, op, shapes) for op in g.ops]
+    best = None
+    for ps in itertools.product(*[tofu.placements(shapes[t]) for t in tensors]):
+        place = dict(zip(tensors, ps))
+        total = sum(min(tofu.op_cost(g, shapes, op, s, place) for s in ss) for op, ss in zip(g.ops, strat))
+        best = total if best is None else min(best, total)
+    return best
+
+
+def test_the_dynamic_program_equals_brute_force():
+    g = _mlp_graph(batch=4, width=4, hidden=8)
+    shapes = {t: i.shape for t, i in g.tensors.items()}
+    c = tofu.cut(g, shapes)
+    assert c.exact
+    assert tofu.evaluate(g, shapes, c.placement, c.strategy) == c.comm
+    assert c.comm == _brute_force(g, shapes)
+
+
+def test_a_wide_mlp_at_a_small_batch_gets_megatrons_split():
+    # weights (2 x 64 x 256) far outweigh the activations (8 x 256): split the weights, column then row
+    g = _mlp_graph(batch=8)
+    p = partition(g, 2)
+    strategy = {o["op"] + str(o["id"]): o["strategy"][0] for o in p.ops}
+    by_op = [o for o in p.ops if o["op"] == "linear"]
+    names = {t["name"]: t["placements"][0] for t in p.tensors}
+    assert names["p_model_fc1_weight"] == "Shard(0)" and names["p_model_fc2_weight"] == "Shard(1)", (names, strategy)
+    # one all-reduce of the (8, 64) output: 2 x its 2,048 bytes across the cut
+    assert p.comm_bytes == 2 * 8 * 64 * 4
+    assert by_op[0]["strategy"] != by_op[1]["strategy"]
+    meg = p.baselines["megatron"]
+    assert p.comm_bytes <= meg["comm_bytes"]
+
+
+def test_a_large_batch_gets_data_parallel():
+    # activations (4096 x 256) far outweigh the weights: split the batch, all-reduce the gradients
+    g = _mlp_graph(batch=4096, width=16, hidden=32)
+    p = partition(g, 2)
+    dp = p.baselines["data-parallel"]
+    # the gradients all-reduced (2 x their bytes across the cut) and the loss's partial means (2 x 4 bytes)
+    assert p.comm_bytes == dp["comm_bytes"] == 2 * sum(t.bytes for t in g.tensors.values() if t.kind == "parameter") + 8
+    assert all(o["strategy"][0] in ("a", "replicated") for o in p.ops), p.ops
+
+
+def test_the_recursion_counts_each_level_once_per_group():
+    g = _mlp_graph(batch=64)
+    sp = tofu.split(g, 4)
+    assert len(sp.levels) == 2
+    assert sp.comm == sp.levels[0].comm + 2 * sp.levels[1].comm
+    for t, info in g.tensors.items():
+        halvings = sum(p.kind == "shard" for p in sp.placement[t])
+        assert math.prod(sp.shapes[t]) * 2 ** halvings == math.prod(info.shape)
+
+
+def test_per_device_memory_falls_with_the_devices_and_the_planner_composes():
+    g = _mlp_graph(batch=256, width=64, hidden=256)
+    one = tofu.device_graph(g, tofu.split(g, 1))
+    assert one.fixed_bytes == sum(t.bytes for t in g.tensors.values() if t.kind in ("parameter", "input"))
+    peaks = [partition(g, k, baselines_too=False).peak_bytes for k in (1, 2, 4)]
+    assert peaks[0] == keep_all_peak(one)
+    assert peaks[0] > peaks[1] > peaks[2]
+    # under a budget below every split's keep-everything peak, the planner recomputes per device
+    tight = int(0.9 * min(keep_all_peak(tofu.device_graph(g, tofu.split(g, 2, lam))) for lam in (0.0, 1e4)))
+    try:
+        p = partition(g, 2, tight, baselines_too=False)
+    except InfeasibleBudgetError as e:
+        assert "smallest per-device peak" in str(e)
+    else:
+        assert p.peak_bytes <= tight and p.search["recompute"]["overhead"] >= 1.0
+
+
+def test_a_budget_trades_communication_for_memory():
+    g = _mlp_graph(batch=64)
+    free = partition(g, 2, baselines_too=False)
+    least = min(keep_all_peak(tofu.device_graph(g, tofu.split(g, 2, lam))) for lam in (1e-3, 1e-1, 10.0, 1e3))
+    assert least < free.peak_bytes
+    p = partition(g, 2, least, baselines_too=False, recompute=False)
+    assert p.peak_bytes <= least and p.comm_bytes >= free.comm_bytes
+
+
+def test_bad_input_says_what_to_do():
+    g = _mlp_graph()
+    with pytest.raises(InvalidInputError, match="power of 2"):
+        partition(g, 3)
+    with pytest.raises(InfeasibleBudgetError, match="smallest per-device peak found is .*more devices"):
+        partition(g, 2, 1000, recompute=False)
+    with pytest.raises(InvalidInputError, match="more devices than"):
+        tofu.split(_mlp_graph(batch=1, width=1, hidden=1), 4)
+
+
+def test_the_plan_file_round_trips_and_names_its_format(tmp_path):
+    g = _mlp_graph()
+    p = partition(g, 2)
+    path = tmp_path / "partition.json"
+    p.save(path)
+    d = json.loads(path.read_text())
+    assert d["format"] == "remat.partition" and d["version"] == 1 and d["mesh"] == [2]
+    q = PartitionPlan.load(path)
+    assert q.to_dict() == p.to_dict()
+    path.write_text(json.dumps({**d, "format": "remat.plan"}))
+    with pytest.raises(InvalidInputError, match="not a partition plan"):
+        PartitionPlan.load(path)
+
+
+def test_baselines_are_what_they_say():
+    g = _mlp_graph(batch=64)
+    dp, fsdp, meg = (baseline(g, 2, n) for n in ("data-parallel", "fsdp", "megatron"))
+    names = lambda p: {t["name"]: t["placements"][0] for t in p.tensors}  # noqa: E731
+    assert all(v == "Replicate" for k, v in names(dp).items() if k.startswith("p_"))
+    assert names(fsdp)["p_model_fc1_weight"] == "Shard(0)"
+    assert names(meg)["args_0"] == "Replicate"
+    assert fsdp.peak_bytes < dp.peak_bytes
+    layers = baseline(g, 2, "layers")
+    assert layers.comm_bytes > 0 and len(layers.search["loads"]) == 2
+    with pytest.raises(InvalidInputError, match="unknown"):
+        baseline(g, 2, "zero-4")
+
+
+def test_a_transformer_block_partitions_no_worse_than_megatron_at_its_memory():
+    from remat.frontends import zoo
+    model, ex = zoo.get("gpt2")
+    g = op_graph(model, ex if isinstance(ex, tuple) else (ex,))
+    meg = baseline(g, 2, "megatron")
+    p = partition(g, 2, meg.peak_bytes, baselines_too=False, recompute=False)
+    assert p.peak_bytes <= meg.peak_bytes and p.comm_bytes <= meg.comm_bytes
+
+
+def test_cli_partition_writes_the_plan(tmp_path, capsys):
+    from remat.cli import main
+    out = tmp_path / "p.json"
+    assert main(["partition", "gpt2", "--devices", "2", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 devices" in text and "baselines" in text
+    assert PartitionPlan.load(out).devices == 2
+    assert main(["partition", "gpt2", "--devices", "3", "-o", str(out)]) == 2
