@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["StorageTracker", "measure_peak", "allocator_peak", "AllocationLog", "METERS", "measure", "Measurement", "storage_key", "storage_bytes", "unique_bytes",
@@ -123,6 +123,8 @@ class StorageTracker(TorchDispatchMode):
             self.events.append((uid, -entry[1]))
 
     def track(self, t: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(t):
+            return   # (a DTensor: its storage is its local tensor's, tracked where an op makes it)
         st = t.untyped_storage()
         key = st._cdata
         if key in self.live or key in self.ignored:
