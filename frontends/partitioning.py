@@ -10,6 +10,7 @@ graph reads (its ``getitem`` results).  Nothing is run beyond the capture itself
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -44,10 +45,26 @@ def _module(n: fx.Node) -> str:
     return path.removeprefix("L['self'].").removeprefix("model.").removeprefix("model")
 
 
+@dataclass
+class StepCapture:
+    """An `OpGraph` with what it was made from: the captured fx graph (`captured`), the fx node of
+    each op (`op_nodes`, in the order of ``graph.ops``) and of each tensor (`tensor_nodes`)."""
+    graph: OpGraph
+    captured: Any
+    op_nodes: list
+    tensor_nodes: dict
+
+
 def op_graph(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
              model_inputs: int | None = None, name: str = "") -> OpGraph:
     """The forward and loss of one step of `model` on `example_inputs` (module docstring).
     Without `loss_fn`, `base.default_loss` (the sum of the output)."""
+    return capture_step(model, example_inputs, loss_fn, model_inputs, name).graph
+
+
+def capture_step(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
+                 model_inputs: int | None = None, name: str = "") -> StepCapture:
+    """`op_graph`, keeping the capture (for running the step op by op, `frontends.distributed`)."""
     args, kwargs = split_inputs(example_inputs, None)
     loss_fn = loss_fn or default_loss
     cap = capture(_Step(model, loss_fn, model_inputs), args, kwargs)
@@ -101,18 +118,20 @@ def op_graph(model: torch.nn.Module, example_inputs: Any, loss_fn: Callable | No
         else:
             continue
         raw.append([_name(n.target), [ids[a] for a in flat_in], outs, _module(n),
-                    tuple(None if isinstance(a, fx.Node) else a for a in n.args)])
-    done = []
-    for op, inputs, outputs, module, args_ in raw:
+                    tuple(None if isinstance(a, fx.Node) else a for a in n.args), n])
+    done, op_nodes = [], []
+    for op, inputs, outputs, module, args_, node in raw:
         if outputs:
             done.append(OpInfo(len(done), op, tuple(inputs), tuple(outputs), module, args_))
+            op_nodes.append(node)
     loss_node = cap.outputs[0] if cap.outputs else None
     if not isinstance(loss_node, fx.Node) or loss_node not in ids:
         raise InvalidInputError("partition: the step's loss is not a tensor computed from the model's output")
     loss = ids[loss_node]
     if tensors[loss].shape not in ((), (1,)):
         raise InvalidInputError(f"loss_fn must return a scalar tensor, got shape {tensors[loss].shape}")
-    return OpGraph(tensors, done, loss, {"model": name or type(model).__name__, "capture": cap.method})
+    graph = OpGraph(tensors, done, loss, {"model": name or type(model).__name__, "capture": cap.method})
+    return StepCapture(graph, cap, op_nodes, {t: n for n, t in ids.items()})
 
 
 def _flat(args: Any) -> list:

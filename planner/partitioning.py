@@ -3,7 +3,9 @@
 `partition(graph, devices, budget)` runs Tofu's recursive search (`remat.solvers.tofu`) on an
 `OpGraph` and returns a `PartitionPlan`: per tensor its placement on the ``(2, ..., 2)`` device
 mesh, per op its strategy per level, and per device the predicted peak (the simulator's, on
-`tofu.device_graph`), the compute time of the FLOP model and the bytes communicated per step.
+`tofu.device_graph`), the compute time of the FLOP model and the bytes communicated per step as
+DTensor runs the plan (`tofu.mesh_comm`; the recursion's own sum, which treats a group of
+devices as one worker, is ``search["recursion_comm_bytes"]``: the two agree at 2 devices).
 
 The budget: the search first minimises communication alone; when the per-device peak is over the
 budget it weighs memory in (`tofu.cut`'s lambda, raised by a geometric bisection, `LAMBDA_STEPS`
@@ -122,10 +124,10 @@ def _record(g: tofu.OpGraph, sp: tofu.Split, budget: int | None, optimizer_facto
     ops = [{"id": o.id, "op": o.op, "module": o.module, "spec": tofu.rule(g, o).spec,
             "strategy": [s.index or "replicated" for s in sp.strategy[o.id]]} for o in g.ops]
     search = {**search, "exact": sp.exact, "states": max((c.states for c in sp.levels), default=0),
-              "undescribed_ops": tofu.undescribed(g)}
+              "undescribed_ops": tofu.undescribed(g), "recursion_comm_bytes": sp.comm}
     if planned is not None:
         search["recompute"] = {"overhead": planned.predicted["overhead"], "solver": planned.solver.get("status")}
-    return PartitionPlan(g.meta.get("model", "model"), sp.devices, budget, sp.comm, int(peak), dg.fixed_bytes,
+    return PartitionPlan(g.meta.get("model", "model"), sp.devices, budget, tofu.mesh_comm(g, sp), int(peak), dg.fixed_bytes,
                          float(compute), tensors, ops, search)
 
 

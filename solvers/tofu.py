@@ -14,11 +14,11 @@ strategy s, its inputs placed P_i and its outputs P_o:
 
 * forward: each input converted P_i -> s.in_i; each output s.out_o (partial sums included) -> P_o;
 * backward: each output's gradient P_o -> what s needs of it (the shard s produced; whole where
-  s's output was a partial sum or replicated); each input's gradient, computed as s.in_i where
-  that is a shard, as partial sums where the input was whole under a split (each device's part
-  contributes to all of it), whole under a replicated run, converted to P_i; a parameter is
-  converted P_i -> s.in_i again for the backward (FSDP's second gather), an activation's
-  converted copy is kept from the forward.
+  s's output was a partial sum or replicated); each input's gradient (`grad_placement`: computed
+  as s.in_i where that is a shard, as partial sums where the input was whole under a split, whole
+  under a replicated run) converted to P_i; a parameter is converted P_i -> s.in_i again for the
+  backward (FSDP's second gather: the gathered copy is not kept), an activation's converted copy
+  is kept from the forward.
 
 **The search** (`cut`): a dynamic program over the ops in order whose state is the placement of
 every tensor still to be read (the frontier).  It is exact (the minimum of the cost above) while
@@ -34,10 +34,14 @@ total bytes = sum over levels l of 2^l x (the cut's bytes at level l).  A tensor
 one per mesh dimension, as DTensor places it on a ``(2, 2, ...)`` device mesh.
 
 **Per-device memory** is the simulator's (`device_graph`): each forward op a node with its
-outputs' bytes per device (views share their base's storage), the loss, each op's backward a node
-that reads the forward tensors it saves (its inputs; its output for the ops that save it) and
-allocates its inputs' gradients, parameter gradients at their first accumulation; parameters (and
-optimizer state) fixed.  The keep-everything schedule's peak is the partition's prediction;
+outputs' bytes per device (views share their base's storage) and the converted copies of its
+inputs it keeps (gathered parameters are its workspace, and its backward's), the loss, each op's
+backward a node that reads the forward tensors it saves (its inputs; its output for the ops that
+save it) and allocates its inputs' gradients, parameter gradients at their first accumulation;
+parameters (and optimizer state) fixed.  A parameter's gradient arrives as the op's strategy
+makes it (partial sums, or a shard) and is reduced to the parameter's placement as soon as it is
+complete (FSDP's reduce-scatter, data parallel's all-reduce): the arriving gradient is a
+transient of the backward node that accumulates it first.  The keep-everything schedule's peak is the partition's prediction;
 `remat.plan` on that graph composes the single-device planner (recompute, swap) with it.  Node
 times are a FLOP model (``FLOPS`` per second for the products, ``BYTES_PER_S`` for the rest), enough
 for the planner's trade-offs, not a measurement.
@@ -55,8 +59,8 @@ from remat.core.graph import Graph, Node
 
 from remat.core.opgraph import OpGraph, OpInfo
 
-from .partition import (LIGHT, Placement, REPLICATE, Shard, Strategy, letter_sizes, redistribute_bytes, rule_for,
-                        strategies)
+from .partition import (LIGHT, PARTIAL, REPLICATE, Placement, Shard, Strategy, letter_sizes, redistribute_bytes,
+                        rule_for, strategies)
 
 FORMAT = "remat.partition"
 VERSION = 1
@@ -71,6 +75,8 @@ SAVES_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "scaled_do
                 "dropout", "native_layer_norm", "_native_batch_norm_legit_functional"}
 HEAVY = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "convolution", "conv1d", "conv2d", "conv3d",
          "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu", "embedding"}
+CREATION = {"arange", "zeros", "ones", "full", "empty", "randn", "rand", "new_zeros", "new_ones", "new_empty",
+            "new_full", "scalar_tensor"}
 REPLICATED = Strategy("", (), ())   # every device runs the whole op (its placements: all whole)
 
 
@@ -126,6 +132,8 @@ def op_strategies(g: OpGraph, op: OpInfo, shapes: dict) -> list:
     run for a light op or an op with no split."""
     ins, outs = [shapes[t] for t in op.inputs], [shapes[t] for t in op.outputs]
     r = rule(g, op)
+    if not op.inputs or op.op in CREATION:
+        return [REPLICATED]          # (made whole on every device, then sliced where placed)
     sizes = letter_sizes(r, ins, outs)
     found = [s for s in strategies(r) if sizes.get(s.index, 0) >= 2 and sizes[s.index] % 2 == 0]
     if op.op in LIGHT or op.op not in HEAVY or not found:
@@ -133,37 +141,60 @@ def op_strategies(g: OpGraph, op: OpInfo, shapes: dict) -> list:
     return found
 
 
-def _placed(s: Strategy, which: str, i: int) -> Placement:
+def placed(s: Strategy, which: str, i: int) -> Placement:
     if s is REPLICATED:
         return REPLICATE
     return (s.inputs if which == "in" else s.outputs)[i]
 
 
+def grad_placement(s: Strategy, want: Placement) -> Placement:
+    """Where an input's gradient is when `s` read the input as `want`: the same shard; partial
+    sums where a split op read it whole (each device's part contributes to all of it) or as
+    summands (a bias under a summed split, which one device holds: only its gradient is nonzero);
+    whole under a replicated run."""
+    if s is REPLICATED:
+        return REPLICATE
+    return want if want.kind == "shard" else PARTIAL
+
+
+NOT_READ_BACK = {"add", "sub", "embedding", "cat"}   # ops whose backward never reads their parameters
+
+
+def regathered(g: OpGraph, op: OpInfo, i: int) -> bool:
+    """Whether `op`'s backward reads its parameter input i (so a gathered parameter is gathered
+    again): it does where another input, not one added to the result (a bias, whose gradient
+    needs only the output's), needs a gradient, unless i is itself added or the op's backward
+    reads no input."""
+    added = rule(g, op).added
+    if op.op in NOT_READ_BACK or i in added:
+        return False
+    return any(g.tensors[t].grad for j, t in enumerate(op.inputs) if j != i and j not in added)
+
+
 def input_costs(g: OpGraph, op: OpInfo, s: Strategy, i: int, p: Placement, nbytes: int) -> tuple[int, int]:
-    """(communicated bytes, kept bytes per device) of input i of `op` placed `p` under `s`."""
+    """(communicated bytes, kept bytes per device) of input i of `op` placed `p` under `s`: the
+    conversion to what `s` reads, and its gradient's conversion back to `p`.  An activation's
+    converted copy is kept for the backward; a parameter's is not: it is converted again for the
+    backward (FSDP's second gather), so it costs its bytes twice and holds memory only while
+    the op and its backward run."""
     t = g.tensors[op.inputs[i]]
-    want = _placed(s, "in", i)
+    want = placed(s, "in", i)
     comm = conversion(p, want, nbytes)
-    if t.kind == "parameter":
-        comm *= 2                                   # gathered again for the backward
     kept = 0
-    if t.kind == "activation" and want != p:
-        kept = _per_device(want, nbytes)            # the converted copy, saved for the backward
+    if t.kind == "parameter":
+        if regathered(g, op, i):
+            comm *= 2
+    elif t.kind == "activation" and want != p:
+        kept = _per_device(want, nbytes)
     if t.grad:
-        if s is REPLICATED or want.kind == "partial":
-            grad = REPLICATE
-        elif want.kind == "shard":
-            grad = want
-        else:
-            grad = Placement("partial")
-        comm += conversion(grad, p, nbytes)
+        comm += conversion(grad_placement(s, want), p, nbytes)
     return comm, kept
 
 
 def output_costs(g: OpGraph, op: OpInfo, s: Strategy, j: int, p: Placement, nbytes: int) -> tuple[int, int]:
     """(communicated bytes, bytes per device) of output j of `op` placed `p` under `s`."""
     t = g.tensors[op.outputs[j]]
-    made = _placed(s, "out", j)
+    made = placed(s, "out", j)
     comm = conversion(made, p, nbytes)
     if t.grad:
         need = made if made.kind == "shard" else REPLICATE
@@ -246,7 +277,7 @@ def cut(g: OpGraph, shapes: dict, lam: float = 0.0, allowed: dict | None = None,
                         for i2, t2 in enumerate(op.inputs):
                             if t2 == t:
                                 c2, m2 = input_costs(g, op, s, i2, p, nb[t])
-                                if g.tensors[t].kind == "input" and p == _placed(s, "in", i2):
+                                if g.tensors[t].kind == "input" and p == placed(s, "in", i2):
                                     c2 = 0                            # the loader places it so
                                 c, m = c + c2, m + m2
                     if t in op.outputs:
@@ -303,7 +334,7 @@ def op_cost(g: OpGraph, shapes: dict, op: OpInfo, s: Strategy, placement: dict) 
     total = 0
     for i, t in enumerate(op.inputs):
         nb = math.prod(shapes[t]) * g.tensors[t].itemsize
-        if g.tensors[t].kind == "input" and placement[t] == _placed(s, "in", i):
+        if g.tensors[t].kind == "input" and placement[t] == placed(s, "in", i):
             continue                                        # the loader places it so
         total += input_costs(g, op, s, i, placement[t], nb)[0]
     for j, t in enumerate(op.outputs):
@@ -335,7 +366,7 @@ class Split:
         """Per device, the shape of input i as `op` reads it (after its conversions)."""
         shape = g.tensors[op.inputs[i]].shape
         for level in self.strategy[op.id]:
-            shape = halved(shape, _placed(level, "in", i) if level is not REPLICATED else REPLICATE)
+            shape = halved(shape, placed(level, "in", i) if level is not REPLICATED else REPLICATE)
         return shape
 
 
@@ -367,6 +398,57 @@ def split(g: OpGraph, devices: int, lam: float = 0.0, **options) -> Split:
     return Split(devices, levels, placement, strategy, shapes, comm, exact)
 
 
+def mesh_conversion(src: tuple, dst: tuple, shape: tuple, itemsize: int) -> int:
+    """Bytes all devices send to turn a tensor of global `shape` placed `src` (one placement per
+    mesh dimension of 2) into `dst` as DTensor does it: one mesh dimension at a time, the last
+    first, each of the 2^(m-1) pairs along it exchanging its local tensor (the global shape
+    halved along the current shards of the other dimensions)."""
+    cur = list(src)
+    m = len(cur)
+    total = 0
+    for level in reversed(range(m)):
+        if cur[level] == dst[level]:
+            continue
+        local = tuple(shape)
+        for j, p in enumerate(cur):
+            if j != level:
+                local = halved(local, p)
+        total += 2 ** (m - 1) * conversion(cur[level], dst[level], math.prod(local) * itemsize)
+        cur[level] = dst[level]
+    return total
+
+
+def mesh_comm(g: OpGraph, sp: Split) -> int:
+    """Bytes all devices send in one step of `sp` as DTensor runs it (`mesh_conversion` for each
+    conversion `op_cost` counts, with every level's placements at once).  Equal to the
+    recursion's sum (`Split.comm`) at 2 devices; above, it counts what a level's conversion costs
+    on every device pair of the other levels, which Tofu's recursion (a group as one worker)
+    does not."""
+    total = 0
+    for op in g.ops:
+        strats = sp.strategy[op.id]
+        for i, t in enumerate(op.inputs):
+            info = g.tensors[t]
+            want = tuple(placed(s, "in", i) for s in strats)
+            if info.kind == "input" and want == sp.placement[t]:
+                continue
+            c = mesh_conversion(sp.placement[t], want, info.shape, info.itemsize)
+            if info.kind == "parameter" and regathered(g, op, i):
+                c *= 2
+            if info.grad:
+                grad = tuple(grad_placement(s, w) for s, w in zip(strats, want))
+                c += mesh_conversion(grad, sp.placement[t], info.shape, info.itemsize)
+            total += c
+        for j, t in enumerate(op.outputs):
+            info = g.tensors[t]
+            made = tuple(placed(s, "out", j) for s in strats)
+            total += mesh_conversion(made, sp.placement[t], info.shape, info.itemsize)
+            if info.grad:
+                need = tuple(p if p.kind == "shard" else REPLICATE for p in made)
+                total += mesh_conversion(sp.placement[t], need, info.shape, info.itemsize)
+    return total
+
+
 # ---- per-device memory: the simulator's graph --------------------------------------------------
 def _flops(op: OpInfo, r, ins: list, outs: list) -> float:
     sizes = letter_sizes(r, ins, outs)
@@ -379,6 +461,30 @@ def _flops(op: OpInfo, r, ins: list, outs: list) -> float:
     if op.op.startswith("conv"):
         n *= math.prod(ins[1][2:])
     return n
+
+
+def _arrival_bytes(g: OpGraph, sp: Split, op: OpInfo, i: int) -> int:
+    """Per device, the bytes of parameter input i's gradient as `op` makes it and of the
+    intermediate forms its reduction to the parameter's placement passes through (one mesh
+    dimension at a time, as `mesh_conversion`); 0 where it arrives in place."""
+    t = op.inputs[i]
+    info = g.tensors[t]
+    src = [grad_placement(s, placed(s, "in", i)) for s in sp.strategy[op.id]]
+    dst = sp.placement[t]
+    if tuple(src) == tuple(dst):
+        return 0
+
+    def local(pl) -> int:
+        shape = info.shape
+        for p in pl:
+            shape = halved(shape, p)
+        return math.prod(shape) * info.itemsize
+    total = local(src)
+    steps = [level for level in reversed(range(len(src))) if src[level] != dst[level]]
+    for level in steps[:-1]:        # (the last step's result is the gradient itself: persistent)
+        src[level] = dst[level]
+        total += local(src)
+    return total
 
 
 def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str = "") -> Graph:
@@ -407,12 +513,14 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
     nodes: list = []
     edges: set = set()
     seen_param: set = set()
-    kept = {}
+    kept: dict = {}
+    transient: dict = {}       # op -> bytes of the parameters gathered for it (while it runs)
+    back_transient: dict = {}  # op -> of those, what its backward gathers again
 
-    def add(kind, op, nbytes_, time, persistent=0):
+    def add(kind, op, nbytes_, time, persistent=0, workspace=0):
         i = len(nodes)
         nodes.append(Node(i, f"{op.module or op.op}:{op.op}#{op.id}" + (":bwd" if kind == "backward" else ""), kind,
-                          time, int(nbytes_), 0, {}, int(persistent)))
+                          time, int(nbytes_), int(workspace), {}, int(persistent)))
         return i
 
     for op in forward + [loss]:
@@ -421,12 +529,17 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         flops = _flops(op, rule(g, op), ins, outs) if op.op in HEAVY else 0.0
         moved = sum(math.prod(s) * g.tensors[t].itemsize for s, t in zip(ins + outs, op.inputs + op.outputs))
         t_fwd = flops / FLOPS + moved / BYTES_PER_S
-        copies = sum(math.prod(s) * g.tensors[t].itemsize for s, t in zip(ins, op.inputs)
-                     if g.tensors[t].kind == "activation" and math.prod(s) > math.prod(sp.shapes[t]))
+        gathered = [(math.prod(s) * g.tensors[t].itemsize, g.tensors[t].kind) for s, t in zip(ins, op.inputs)
+                    if math.prod(s) > math.prod(sp.shapes[t])]
+        copies = sum(b for b, kind in gathered if kind == "activation")
+        transient[op.id] = sum(b for b, kind in gathered if kind == "parameter")
+        back_transient[op.id] = sum(math.prod(s) * g.tensors[t].itemsize for i, (s, t) in enumerate(zip(ins, op.inputs))
+                                    if g.tensors[t].kind == "parameter" and math.prod(s) > math.prod(sp.shapes[t])
+                                    and regathered(g, op, i))
         kept[op.id] = copies
         out_b = sum(nbytes[t] for t in op.outputs if root[t] == t) + copies
         kind = "loss" if op is loss else "forward"
-        nid[op.id] = add(kind, op, out_b, t_fwd * (3 if op is loss else 1))
+        nid[op.id] = add(kind, op, out_b, t_fwd * (3 if op is loss else 1), workspace=transient[op.id])
         for t in op.inputs:
             p = producer.get(root[t])
             if p is not None:
@@ -439,7 +552,13 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         first = [t for t in params if root[t] not in seen_param]
         seen_param.update(root[t] for t in params)
         persistent = sum(nbytes[root[t]] for t in first)
-        i = add("backward", op, grads, 2 * nodes[nid[op.id]].time, persistent)
+        arriving = sum(_arrival_bytes(g, sp, op, i) for i, t in enumerate(op.inputs) if t in first)
+        # its workspace covers its persistent bytes while it runs (`remat.core.simulate`): the
+        # gradients arrive beside the parameters gathered again, then are reduced beside their
+        # own arriving form (the gathered copies gone by then)
+        work = (arriving + max(back_transient[op.id], persistent) if arriving
+                else back_transient[op.id] + persistent)
+        i = add("backward", op, grads, 2 * nodes[nid[op.id]].time, persistent, work)
         bwd[op.id] = i
         # what the backward reads: the forward's saved tensors, and its outputs' gradients
         for t in op.inputs:

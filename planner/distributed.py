@@ -1,0 +1,291 @@
+"""Running a partition plan on torch.distributed: each op of the step as the plan splits it.
+
+`PartitionedStep(capture, plan, mesh)` replays the captured step (`frontends.partitioning.
+capture_step`) on every rank of a process group whose ranks form the plan's ``(2, ..., 2)``
+device mesh, with PyTorch's DTensor as the engine:
+
+* every tensor of the step is a `DTensor` with the plan's placements (`Shard(d)` / `Replicate()`
+  per mesh dimension); parameters and the batch are distributed from each rank's full copy
+  (`distribute_tensor`: every rank holds the same values);
+* an op with strategy s (one per mesh dimension) has each input redistributed to what s reads
+  (`DTensor.redistribute`: all-gather, reduce-scatter, all-reduce, all-to-all), runs on the local
+  shards as the unsharded ATen op (`to_local`, with the gradient placements the search assumed:
+  partial sums where the op read an input whole under a split; an input read as summands, a bias
+  under a summed split, is the input on the devices at coordinate 0 and zeros elsewhere), and its
+  output is wrapped as s made it (`DTensor.from_local`, `Partial` for partial sums; a mean's parts
+  halved per split) and redistributed to the output's own placement;
+* a parameter gathered for an op is not kept for its backward: saved-tensor hooks keep the
+  parameter's shard and gather it again when the backward reads it (FSDP's mechanism), as the
+  cost model counts;
+* the backward is autograd through those functions: DTensor's own backward of each
+  redistribution and of `from_local`/`to_local` makes the gradients' communication; each
+  parameter's gradient is redistributed to its parameter's placement as soon as it is complete
+  (a post-accumulate-grad hook: a partial gradient all-reduced or reduce-scattered, as FSDP and
+  DDP do), as the cost model counts.
+
+`CommCounter` counts the bytes each rank sends in the collectives it runs (ring algorithms over a
+mesh dimension of 2: an all-gather sends its input, a reduce-scatter half its input, an
+all-reduce its input, an all-to-all half its input), the measure the plan's ``comm_bytes``
+predicts (summed over ranks, `tofu.mesh_comm`).
+
+Ops whose shape arguments describe the whole tensor (``view``, ``reshape``, ``expand``) get
+their local shape.  Random ops (dropout) draw on each rank's own generator: their masks differ
+from one process's, so a model with dropout does not give one process's gradients (use
+dropout 0 to compare).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from remat.core.errors import InvalidInputError
+from remat.solvers import tofu
+from remat.solvers.partition import REPLICATE, Placement, strategies
+from remat.solvers.partition import Shard as PShard
+
+from .partitioning import PartitionPlan
+
+RESHAPING = {"view", "reshape", "_unsafe_view", "expand"}
+MEANS = {"mean"}
+LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_forward"}
+
+
+def parse_placement(text: str) -> Placement:
+    """``"Shard(1)"`` / ``"Replicate"`` (a plan file's placements) as a `Placement`."""
+    if text == "Replicate":
+        return REPLICATE
+    if text.startswith("Shard(") and text.endswith(")"):
+        return PShard(int(text[6:-1]))
+    raise InvalidInputError(f"partition plan: unknown placement {text!r}; expected Shard(d) or Replicate")
+
+
+def _dt(p: Placement):
+    if p.kind == "shard":
+        return Shard(p.dim)
+    if p.kind == "partial":
+        return Partial()
+    return Replicate()
+
+
+def _strategy(rule, letter: str):
+    if letter == "replicated":
+        return tofu.REPLICATED
+    for s in strategies(rule):
+        if s.index == letter:
+            return s
+    raise InvalidInputError(f"partition plan: strategy {letter!r} is not a split of {rule.spec!r}")
+
+
+def _averages(op) -> bool:
+    """Whether `op`'s partial results are means (each device's over its part: halved per split,
+    they sum to the mean)."""
+    if op.op in MEANS:
+        return True
+    if op.op in LOSSES:
+        reduction = op.args[3] if len(op.args) > 3 and op.args[3] is not None else 1
+        return reduction == 1
+    return False
+
+
+class CommCounter(TorchDispatchMode):
+    """Bytes this rank sends in the functional collectives run under it (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+        self.calls: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = getattr(getattr(func, "_overloadpacket", None), "__name__", "")
+        if func.namespace == "_c10d_functional" and args and isinstance(args[0], torch.Tensor):
+            n = args[0].numel() * args[0].element_size()
+            sent = {"all_gather_into_tensor": n, "reduce_scatter_tensor": n // 2, "all_reduce": n,
+                    "all_to_all_single": n // 2}.get(name)
+            if sent is not None:
+                self.bytes += sent
+                self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class PartitionedStep:
+    """One step of a captured model run as `plan` splits it, on this rank (module docstring)."""
+
+    def __init__(self, capture: Any, plan: PartitionPlan, mesh: Any):
+        g = capture.graph
+        if plan.devices != mesh.size():
+            raise InvalidInputError(f"the partition plan is for {plan.devices} devices; this process group has "
+                                    f"{mesh.size()}: launch {plan.devices} processes")
+        if len(plan.ops) != len(g.ops) or len(plan.tensors) != len(g.tensors):
+            raise InvalidInputError("the partition plan was made for another graph (its ops or tensors differ from "
+                                    "this model's capture): partition the model again")
+        self.capture, self.plan, self.mesh, self.graph = capture, plan, mesh, g
+        rules = tofu.describe(g)
+        self.strategies = [[_strategy(r, letter) for letter in o["strategy"]] for r, o in zip(rules, plan.ops)]
+        self.placement = {t: tuple(parse_placement(p) for p in plan.tensors[t]["placements"]) for t in g.tensors}
+
+    def distribute(self, values: dict) -> dict:
+        """{tensor id: DTensor} for the parameters and the batch from `values` (tensor id -> the
+        full tensor, the same on every rank); parameters that train are leaves requiring grad."""
+        out = {}
+        for t, v in values.items():
+            d = distribute_tensor(v.detach(), self.mesh, [_dt(p) for p in self.placement[t]])
+            info = self.graph.tensors[t]
+            if info.kind == "parameter" and info.grad:
+                d.requires_grad_(True)
+            out[t] = d
+        return out
+
+    def _input(self, t: int, want: tuple, grads: tuple, local: dict, gathered: dict) -> None:
+        """Input `t` as the op reads it (`want`), its gradient placed `grads`, into `local`."""
+        g = self.graph
+        x = self.env[t]
+        grads = grads if g.tensors[t].grad else None
+        if any(isinstance(w, Partial) for w in want):
+            # an input given as summands (a bias under a summed split): the devices at
+            # coordinate 0 of those mesh dimensions hold it, the others zeros
+            whole = tuple(Replicate() if isinstance(w, Partial) else w for w in want)
+            x = x.redistribute(self.mesh, whole) if tuple(x.placements) != whole else x
+            coord = self.mesh.get_coordinate()
+            keep = all(c == 0 for c, w in zip(coord, want) if isinstance(w, Partial))
+            value = x.to_local(grad_placements=grads)
+            local[t] = value if keep else value * 0
+            return
+        if tuple(x.placements) == want:
+            local[t] = x.to_local(grad_placements=grads)
+            return
+        local[t] = x.redistribute(self.mesh, want).to_local(grad_placements=grads)
+        if g.tensors[t].kind == "parameter":       # gathered again for the backward, not kept
+            storage = local[t].untyped_storage()
+            key = storage.data_ptr()
+            gathered[key] = (self.env[t], want)
+            weakref.finalize(storage, gathered.pop, key, None)   # (addresses are reused)
+
+    def __call__(self, leaves: dict) -> DTensor:
+        """Run the forward and the loss from `leaves` (`distribute`); returns the loss as a
+        replicated DTensor (``.to_local().backward()`` runs the backward)."""
+        g, cap = self.graph, self.capture
+        self.env = dict(leaves)
+        gathered: dict = {}            # storage of a gathered parameter -> (its DTensor, placements)
+
+        def pack(t: torch.Tensor):
+            key = t.untyped_storage().data_ptr()
+            if key in gathered:
+                src, want = gathered[key]
+                return ("gather", src, want, t.size(), t.stride(), t.storage_offset())
+            return t
+
+        def unpack(saved):
+            if isinstance(saved, tuple) and saved and saved[0] == "gather":
+                _, src, want, size, stride, offset = saved
+                full = src.detach().redistribute(self.mesh, want).to_local()
+                return full.as_strided(size, stride, offset)
+            return saved
+
+        for op, node, strats in zip(g.ops, cap.op_nodes, self.strategies):
+            local: dict = {}
+            for i, t in enumerate(op.inputs):
+                if t in local:
+                    continue
+                placed = [tofu.placed(s, "in", i) for s in strats]
+                want = tuple(_dt(p) for p in placed)
+                grads = tuple(_dt(tofu.grad_placement(s, p)) for s, p in zip(strats, placed))
+                self._input(t, want, grads, local, gathered)
+            by_node = {cap.tensor_nodes[t]: v for t, v in local.items()}
+            args = tree_map(lambda a: by_node.get(a, a) if isinstance(a, torch.fx.Node) else a, node.args)
+            kwargs = tree_map(lambda a: by_node.get(a, a) if isinstance(a, torch.fx.Node) else a, node.kwargs)
+            if op.op in RESHAPING and len(args) > 1:
+                shape = list(g.tensors[op.outputs[0]].shape)
+                for s in strats:
+                    made = tofu.placed(s, "out", 0)
+                    if made.kind == "shard":
+                        shape[made.dim] //= 2
+                args = (args[0], shape) + tuple(args[2:])
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                out = node.target(*args, **kwargs)
+            for j, t in enumerate(op.outputs):
+                value = out[cap.tensor_nodes[t].args[1]] if isinstance(out, (list, tuple)) else out
+                made = tuple(_dt(tofu.placed(s, "out", j)) for s in strats)
+                if _averages(op):      # partial means: halved per split, their sum is the mean
+                    halves = sum(isinstance(m, Partial) for m in made)
+                    value = value * (0.5 ** halves) if halves else value
+                d = DTensor.from_local(value, self.mesh, made, run_check=False)
+                target = tuple(_dt(p) for p in self.placement[t])
+                self.env[t] = d.redistribute(self.mesh, target) if tuple(d.placements) != target else d
+        loss = self.env[g.loss]
+        self.env = {}
+        whole = tuple(Replicate() for _ in loss.placements)
+        return loss.redistribute(self.mesh, whole) if tuple(loss.placements) != whole else loss
+
+
+def leaf_values(capture: Any, model: torch.nn.Module, batch: tuple) -> dict:
+    """{tensor id: full tensor} for the captured step's parameters, buffers, batch and constants."""
+    cap = capture.captured
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    flat_batch = [b for b in batch if isinstance(b, torch.Tensor)]
+    out = {}
+    for t, node in capture.tensor_nodes.items():
+        if node.op != "placeholder":
+            continue
+        kind, target = cap.kinds.get(node), cap.targets.get(node)
+        if kind in ("parameter", "buffer"):
+            name = str(target).removeprefix("model.")
+            if name not in params:
+                raise InvalidInputError(f"partition: the captured parameter {target!r} is not the model's")
+            out[t] = params[name]
+        elif kind == "input":
+            out[t] = flat_batch[int(target)] if isinstance(target, int) else cap.values[node]
+        else:
+            out[t] = cap.values[node]
+    return out
+
+
+def train_step(model: torch.nn.Module, batch: tuple, plan: PartitionPlan, mesh: Any,
+               loss_fn: Callable | None = None, capture: Any = None, meter: bool = False,
+               model_inputs: int | None = None) -> dict:
+    """One planned step on this rank: {"loss": float, "grads": {name: full gradient},
+    "comm_bytes": bytes this rank sent, "calls": collectives by name, "peak_bytes": the storage
+    accounting's peak on this rank (with `meter`)}."""
+    from remat.frontends.partitioning import capture_step
+    capture = capture or capture_step(model, batch, loss_fn, model_inputs)
+    step = PartitionedStep(capture, plan, mesh)
+    leaves = step.distribute(leaf_values(capture, model, batch))
+    counter = CommCounter()
+    box: dict = {}
+
+    def reduce(param: DTensor) -> None:   # a gradient to its parameter's placement once complete
+        if tuple(param.grad.placements) != tuple(param.placements):
+            param.grad = param.grad.redistribute(mesh, param.placements)
+    for d in leaves.values():
+        if isinstance(d, DTensor) and d.requires_grad:
+            d.register_post_accumulate_grad_hook(reduce)
+
+    def run() -> None:
+        with counter:
+            loss = step(leaves)
+            local = loss.to_local()
+            local.backward()
+        box["loss"] = float(local.detach())
+    if meter:
+        from remat.frontends.measuring import measure_peak
+        box["peak_bytes"] = measure_peak(run, resident=[d.to_local() for d in leaves.values()])
+    else:
+        run()
+    names = {t: capture.captured.targets.get(capture.tensor_nodes[t]) for t in leaves}
+    grads = {str(names[t]).removeprefix("model."): d.grad.full_tensor() for t, d in leaves.items()
+             if isinstance(d, DTensor) and d.grad is not None}
+    return {"loss": box["loss"], "grads": grads, "comm_bytes": counter.bytes, "calls": counter.calls,
+            "peak_bytes": box.get("peak_bytes")}
+
+
+def mesh_for(devices: int, device_type: str = "cpu") -> Any:
+    """The ``(2, ..., 2)`` device mesh of a plan over `devices` ranks (the process group must be
+    initialised with that many)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    m = tofu.levels_of(devices)
+    return init_device_mesh(device_type, (2,) * m if m else (1,))
