@@ -225,8 +225,8 @@ class PartitionedStep:
 def leaf_values(capture: Any, model: torch.nn.Module, batch: tuple) -> dict:
     """{tensor id: full tensor} for the captured step's parameters, buffers, batch and constants."""
     cap = capture.captured
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
+    params = dict(model.named_parameters(remove_duplicate=False))   # (a tied parameter by any of its names)
+    params.update(dict(model.named_buffers(remove_duplicate=False)))
     flat_batch = [b for b in batch if isinstance(b, torch.Tensor)]
     out = {}
     for t, node in capture.tensor_nodes.items():
@@ -276,9 +276,17 @@ def train_step(model: torch.nn.Module, batch: tuple, plan: PartitionPlan, mesh: 
         box["peak_bytes"] = measure_peak(run, resident=[d.to_local() for d in leaves.values()])
     else:
         run()
-    names = {t: capture.captured.targets.get(capture.tensor_nodes[t]) for t in leaves}
-    grads = {str(names[t]).removeprefix("model."): d.grad.full_tensor() for t, d in leaves.items()
-             if isinstance(d, DTensor) and d.grad is not None}
+    aliases: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    grads = {}
+    for t, d in leaves.items():
+        if isinstance(d, DTensor) and d.grad is not None:
+            name = str(capture.captured.targets.get(capture.tensor_nodes[t])).removeprefix("model.")
+            full = d.grad.full_tensor()
+            for alias in aliases.get(id(by_name.get(name)), [name]):   # every name of a tied parameter
+                grads[alias] = full
     return {"loss": box["loss"], "grads": grads, "comm_bytes": counter.bytes, "calls": counter.calls,
             "peak_bytes": box.get("peak_bytes")}
 

@@ -115,7 +115,7 @@ class PartitionPlan:
 
 # ---- the search under a budget ------------------------------------------------------------------
 def _record(g: tofu.OpGraph, sp: tofu.Split, budget: int | None, optimizer_factor: float, search: dict,
-            planned=None) -> PartitionPlan:
+            planned=None, device_type: str = "cpu") -> PartitionPlan:
     dg = tofu.device_graph(g, sp, optimizer_factor)
     peak = planned.predicted["peak_bytes"] if planned is not None else keep_all_peak(dg)
     compute = planned.predicted["time"] if planned is not None else sum(v.time for v in dg.nodes)
@@ -124,10 +124,10 @@ def _record(g: tofu.OpGraph, sp: tofu.Split, budget: int | None, optimizer_facto
     ops = [{"id": o.id, "op": o.op, "module": o.module, "spec": tofu.rule(g, o).spec,
             "strategy": [s.index or "replicated" for s in sp.strategy[o.id]]} for o in g.ops]
     search = {**search, "exact": sp.exact, "states": max((c.states for c in sp.levels), default=0),
-              "undescribed_ops": tofu.undescribed(g), "recursion_comm_bytes": sp.comm}
+              "undescribed_ops": tofu.undescribed(g), "recursion_comm_bytes": sp.comm, "device_type": device_type}
     if planned is not None:
         search["recompute"] = {"overhead": planned.predicted["overhead"], "solver": planned.solver.get("status")}
-    return PartitionPlan(g.meta.get("model", "model"), sp.devices, budget, tofu.mesh_comm(g, sp), int(peak), dg.fixed_bytes,
+    return PartitionPlan(g.meta.get("model", "model"), sp.devices, budget, tofu.mesh_comm(g, sp, device_type), int(peak), dg.fixed_bytes,
                          float(compute), tensors, ops, search)
 
 
@@ -137,11 +137,12 @@ def _peak(g: tofu.OpGraph, sp: tofu.Split, optimizer_factor: float) -> int:
 
 def partition(graph: Any, devices: int, budget: "int | str | None" = None, *, example_inputs: Any = None,
               loss_fn: Any = None, optimizer_factor: float = 0.0, max_states: int = 4096, recompute: bool = True,
-              baselines_too: bool = True, time_limit: float = 30.0) -> PartitionPlan:
+              baselines_too: bool = True, time_limit: float = 30.0, device_type: str = "cpu") -> PartitionPlan:
     """The partition of `graph` over `devices` (a power of 2) with the least communication whose
     per-device peak fits `budget` (bytes or ``"20GiB"``; None: no budget) (module docstring).
     `graph`: an `OpGraph`, or a model captured first with `example_inputs` and `loss_fn`
-    (`frontends.partitioning.op_graph`)."""
+    (`frontends.partitioning.op_graph`).  `device_type`: where the plan runs (``"cpu"``: gloo,
+    whose missing all-to-all DTensor replaces by an all-gather; ``"cuda"``: NCCL)."""
     if not isinstance(graph, tofu.OpGraph):
         if example_inputs is None:
             raise InvalidInputError("remat.partition: give an OpGraph, or a model with example_inputs=")
@@ -153,6 +154,7 @@ def partition(graph: Any, devices: int, budget: "int | str | None" = None, *, ex
     if isinstance(devices, bool) or not isinstance(devices, int):
         raise InvalidInputError(f"devices: expected a whole number, got {devices!r}")
     tofu.levels_of(devices)
+    graph.meta["device_type"] = device_type     # (the costs: `tofu.conversion`)
     options = {"max_states": max_states, "optimizer_factor": optimizer_factor}
     best = tofu.split(graph, devices, 0.0, **options)
     peak = _peak(graph, best, optimizer_factor)
@@ -207,29 +209,32 @@ def partition(graph: Any, devices: int, budget: "int | str | None" = None, *, ex
                 f"per-device peak found is {format_bytes(pk)} without recomputation"
                 + (" (recomputation does not bring it under the budget either)" if recompute else "")
                 + "; use more devices or a larger budget", int(budget), min_feasible_bytes=int(pk))
-    out = _record(graph, chosen, budget, optimizer_factor, search, planned)
+    out = _record(graph, chosen, budget, optimizer_factor, search, planned, device_type)
     if baselines_too:
-        out.baselines = {name: _baseline_row(graph, devices, name, optimizer_factor, max_states)
+        out.baselines = {name: _baseline_row(graph, devices, name, optimizer_factor, max_states, device_type)
                          for name in BASELINES}
     return out
 
 
 # ---- baselines ----------------------------------------------------------------------------------
-def _baseline_row(g: tofu.OpGraph, devices: int, name: str, optimizer_factor: float, max_states: int) -> dict:
+def _baseline_row(g: tofu.OpGraph, devices: int, name: str, optimizer_factor: float, max_states: int,
+                  device_type: str) -> dict:
     try:
-        p = baseline(g, devices, name, optimizer_factor=optimizer_factor, max_states=max_states)
+        p = baseline(g, devices, name, optimizer_factor=optimizer_factor, max_states=max_states,
+                     device_type=device_type)
     except InvalidInputError as e:
         return {"error": str(e)}
     return {"comm_bytes": p.comm_bytes, "peak_bytes": p.peak_bytes}
 
 
 def baseline(g: tofu.OpGraph, devices: int, name: str, *, optimizer_factor: float = 0.0,
-             max_states: int = 4096) -> PartitionPlan:
+             max_states: int = 4096, device_type: str = "cpu") -> PartitionPlan:
     """One baseline (module docstring) in the search's cost model, as a `PartitionPlan`."""
     if name == "layers":
         return layer_placement(g, devices, optimizer_factor)
     if name not in BASELINES:
         raise InvalidInputError(f"baseline: unknown {name!r}; expected one of {', '.join(BASELINES)}")
+    g.meta["device_type"] = device_type
     where = tofu.roles(g)
     allowed: dict = {}
     for t, info in g.tensors.items():
@@ -247,7 +252,7 @@ def baseline(g: tofu.OpGraph, devices: int, name: str, *, optimizer_factor: floa
         return s.index == letters.get("batch")
     sp = tofu.split(g, devices, 0.0, allowed=allowed, only=only, max_states=max_states,
                     optimizer_factor=optimizer_factor)
-    return _record(g, sp, None, optimizer_factor, {"baseline": name})
+    return _record(g, sp, None, optimizer_factor, {"baseline": name}, device_type=device_type)
 
 
 def layer_placement(g: tofu.OpGraph, devices: int, optimizer_factor: float = 0.0) -> PartitionPlan:

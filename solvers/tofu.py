@@ -36,8 +36,8 @@ one per mesh dimension, as DTensor places it on a ``(2, 2, ...)`` device mesh.
 **Per-device memory** is the simulator's (`device_graph`): each forward op a node with its
 outputs' bytes per device (views share their base's storage) and the converted copies of its
 inputs it keeps (gathered parameters are its workspace, and its backward's), the loss, each op's
-backward a node that reads the forward tensors it saves (its inputs; its output for the ops that
-save it) and allocates its inputs' gradients, parameter gradients at their first accumulation;
+backward a node that reads the forward tensors it saves (its inputs, but for the ops whose
+backward reads none; its output for the ops that save it) and allocates its inputs' gradients, parameter gradients at their first accumulation;
 parameters (and optimizer state) fixed.  A parameter's gradient arrives as the op's strategy
 makes it (partial sums, or a shard) and is reduced to the parameter's placement as soon as it is
 complete (FSDP's reduce-scatter, data parallel's all-reduce): the arriving gradient is a
@@ -72,7 +72,13 @@ VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "transpose", "t", "permut
 # ops whose backward reads their own output (the rest: their inputs)
 SAVES_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "scaled_dot_product_attention",
                 "_scaled_dot_product_flash_attention_for_cpu", "tanh", "sigmoid", "exp", "native_dropout",
-                "dropout", "native_layer_norm", "_native_batch_norm_legit_functional"}
+                "dropout", "native_layer_norm", "_native_batch_norm_legit_functional", "relu", "relu_"}
+# ops whose backward reads none of their inputs (only their output's gradient)
+READS_NO_INPUT = {"add", "sub", "neg", "cat", "split", "split_with_sizes", "chunk", "contiguous", "clone", "_to_copy",
+                  "sum", "mean", "slice", "select", "expand", "unsqueeze", "squeeze", "permute", "transpose", "t",
+                  "view", "reshape", "_unsafe_view", "flatten", "alias", "detach", "unbind", "narrow"}
+# ops whose autograd saves a tensor the graph does not list: max pooling's int64 indices, one per output element
+SAVES_INDICES = {"max_pool1d", "max_pool2d", "max_pool3d"}
 HEAVY = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "convolution", "conv1d", "conv2d", "conv3d",
          "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu", "embedding"}
 CREATION = {"arange", "zeros", "ones", "full", "empty", "randn", "rand", "new_zeros", "new_ones", "new_empty",
@@ -99,6 +105,24 @@ def describe(g: OpGraph) -> list:
     return rules
 
 
+def last_reader(g: OpGraph) -> dict:
+    """{tensor: the id of the last op that reads it} (computed once per graph)."""
+    cached = g.meta.get("last_reader")
+    if isinstance(cached, dict):
+        return cached
+    out = {t: o.id for o in g.ops for t in o.inputs}
+    g.meta["last_reader"] = out
+    return out
+
+
+def reduces_here(g: OpGraph, op: OpInfo, t: int) -> bool:
+    """Whether `op` is where the gradient of input `t` is converted to `t`'s placement: for an
+    activation, every reader (each converts its contribution); for a parameter, its last reader
+    only (autograd sums a tied parameter's contributions before it accumulates, and the sum is
+    reduced once; `tied_costs` counts the other contributions)."""
+    return g.tensors[t].kind != "parameter" or last_reader(g).get(t) == op.id
+
+
 def rule(g: OpGraph, op: OpInfo):
     """`op`'s description (`describe`)."""
     return describe(g)[op.id]
@@ -111,8 +135,12 @@ def undescribed(g: OpGraph) -> list:
 
 
 # ---- one cut's costs --------------------------------------------------------------------------
-def conversion(src: Placement, dst: Placement, nbytes: int) -> int:
-    """Bytes across a 2-way cut (both devices' sends) to turn `src` into `dst`."""
+def conversion(src: Placement, dst: Placement, nbytes: int, gloo: bool = False) -> int:
+    """Bytes across a 2-way cut (both devices' sends) to turn `src` into `dst`.  With `gloo`
+    (a CPU process group, which has no all-to-all) a shard moves to another dimension by an
+    all-gather, as DTensor does it there."""
+    if gloo and src.kind == "shard" and dst.kind == "shard" and src != dst:
+        dst = REPLICATE
     return 2 * redistribute_bytes(src, dst, nbytes, 2)
 
 
@@ -179,15 +207,16 @@ def input_costs(g: OpGraph, op: OpInfo, s: Strategy, i: int, p: Placement, nbyte
     the op and its backward run."""
     t = g.tensors[op.inputs[i]]
     want = placed(s, "in", i)
-    comm = conversion(p, want, nbytes)
+    cpu = g.meta.get("device_type") == "cpu"
+    comm = conversion(p, want, nbytes, cpu)
     kept = 0
     if t.kind == "parameter":
         if regathered(g, op, i):
             comm *= 2
     elif t.kind == "activation" and want != p:
         kept = _per_device(want, nbytes)
-    if t.grad:
-        comm += conversion(grad_placement(s, want), p, nbytes)
+    if t.grad and reduces_here(g, op, op.inputs[i]):
+        comm += conversion(grad_placement(s, want), p, nbytes, cpu)
     return comm, kept
 
 
@@ -195,10 +224,11 @@ def output_costs(g: OpGraph, op: OpInfo, s: Strategy, j: int, p: Placement, nbyt
     """(communicated bytes, bytes per device) of output j of `op` placed `p` under `s`."""
     t = g.tensors[op.outputs[j]]
     made = placed(s, "out", j)
-    comm = conversion(made, p, nbytes)
+    cpu = g.meta.get("device_type") == "cpu"
+    comm = conversion(made, p, nbytes, cpu)
     if t.grad:
         need = made if made.kind == "shard" else REPLICATE
-        comm += conversion(p, need, nbytes)
+        comm += conversion(p, need, nbytes, cpu)
     return comm, (0 if op.op in VIEWS else _per_device(p, nbytes))
 
 
@@ -223,7 +253,7 @@ class Cut:
 def cut(g: OpGraph, shapes: dict, lam: float = 0.0, allowed: dict | None = None, max_states: int = 4096,
         optimizer_factor: float = 0.0, only=None) -> Cut:
     """The cheapest 2-way cut of `g` at `shapes` (tensor id -> shape): communicated bytes +
-    `lam` x bytes per device.  `allowed` (tensor id -> placements) and `only` (``only(op,
+    `lam` x bytes per device (``g.meta["device_type"] == "cpu"``: costed as on gloo, `conversion`).  `allowed` (tensor id -> placements) and `only` (``only(op,
     strategy) -> bool``) restrict tensors and ops (the baselines); an op none of whose splits
     `only` allows runs replicated."""
     allowed = allowed or {}
@@ -398,11 +428,12 @@ def split(g: OpGraph, devices: int, lam: float = 0.0, **options) -> Split:
     return Split(devices, levels, placement, strategy, shapes, comm, exact)
 
 
-def mesh_conversion(src: tuple, dst: tuple, shape: tuple, itemsize: int) -> int:
+def mesh_conversion(src: tuple, dst: tuple, shape: tuple, itemsize: int, device_type: str = "cuda") -> int:
     """Bytes all devices send to turn a tensor of global `shape` placed `src` (one placement per
     mesh dimension of 2) into `dst` as DTensor does it: one mesh dimension at a time, the last
     first, each of the 2^(m-1) pairs along it exchanging its local tensor (the global shape
-    halved along the current shards of the other dimensions)."""
+    halved along the current shards of the other dimensions).  On ``"cpu"`` (gloo, which has no
+    all-to-all) DTensor moves a shard to another dimension by an all-gather."""
     cur = list(src)
     m = len(cur)
     total = 0
@@ -413,12 +444,12 @@ def mesh_conversion(src: tuple, dst: tuple, shape: tuple, itemsize: int) -> int:
         for j, p in enumerate(cur):
             if j != level:
                 local = halved(local, p)
-        total += 2 ** (m - 1) * conversion(cur[level], dst[level], math.prod(local) * itemsize)
+        total += 2 ** (m - 1) * conversion(cur[level], dst[level], math.prod(local) * itemsize, device_type == "cpu")
         cur[level] = dst[level]
     return total
 
 
-def mesh_comm(g: OpGraph, sp: Split) -> int:
+def mesh_comm(g: OpGraph, sp: Split, device_type: str = "cuda") -> int:
     """Bytes all devices send in one step of `sp` as DTensor runs it (`mesh_conversion` for each
     conversion `op_cost` counts, with every level's placements at once).  Equal to the
     recursion's sum (`Split.comm`) at 2 devices; above, it counts what a level's conversion costs
@@ -432,20 +463,26 @@ def mesh_comm(g: OpGraph, sp: Split) -> int:
             want = tuple(placed(s, "in", i) for s in strats)
             if info.kind == "input" and want == sp.placement[t]:
                 continue
-            c = mesh_conversion(sp.placement[t], want, info.shape, info.itemsize)
+            c = mesh_conversion(sp.placement[t], want, info.shape, info.itemsize, device_type)
             if info.kind == "parameter" and regathered(g, op, i):
                 c *= 2
             if info.grad:
                 grad = tuple(grad_placement(s, w) for s, w in zip(strats, want))
-                c += mesh_conversion(grad, sp.placement[t], info.shape, info.itemsize)
+                if reduces_here(g, op, t):
+                    c += mesh_conversion(grad, sp.placement[t], info.shape, info.itemsize, device_type)
+                else:     # a tied parameter's other contribution, converted to the last reader's to be summed
+                    last = g.ops[last_reader(g)[t]]
+                    j = last.inputs.index(t)
+                    into = tuple(grad_placement(s2, placed(s2, "in", j)) for s2 in sp.strategy[last.id])
+                    c += mesh_conversion(grad, into, info.shape, info.itemsize, device_type)
             total += c
         for j, t in enumerate(op.outputs):
             info = g.tensors[t]
             made = tuple(placed(s, "out", j) for s in strats)
-            total += mesh_conversion(made, sp.placement[t], info.shape, info.itemsize)
+            total += mesh_conversion(made, sp.placement[t], info.shape, info.itemsize, device_type)
             if info.grad:
                 need = tuple(p if p.kind == "shard" else REPLICATE for p in made)
-                total += mesh_conversion(sp.placement[t], need, info.shape, info.itemsize)
+                total += mesh_conversion(sp.placement[t], need, info.shape, info.itemsize, device_type)
     return total
 
 
@@ -463,28 +500,38 @@ def _flops(op: OpInfo, r, ins: list, outs: list) -> float:
     return n
 
 
-def _arrival_bytes(g: OpGraph, sp: Split, op: OpInfo, i: int) -> int:
-    """Per device, the bytes of parameter input i's gradient as `op` makes it and of the
-    intermediate forms its reduction to the parameter's placement passes through (one mesh
-    dimension at a time, as `mesh_conversion`); 0 where it arrives in place."""
+def between_bytes(src: tuple, dst: tuple, shape: tuple, itemsize: int) -> int:
+    """Per device, the bytes of the intermediate forms a conversion from `src` to `dst` passes
+    through (one mesh dimension at a time, as `mesh_conversion`; neither end counted)."""
+    cur = list(src)
+    steps = [level for level in reversed(range(len(cur))) if cur[level] != dst[level]]
+    total = 0
+    for level in steps[:-1]:
+        cur[level] = dst[level]
+        local = tuple(shape)
+        for p in cur:
+            local = halved(local, p)
+        total += math.prod(local) * itemsize
+    return total
+
+
+def _arrival_bytes(g: OpGraph, sp: Split, op: OpInfo, i: int) -> tuple[int, int]:
+    """Per device, (the bytes of parameter input i's gradient as `op` makes it, those of the
+    intermediate forms its reduction to the parameter's placement passes through: one mesh
+    dimension at a time, as `mesh_conversion`); (0, 0) where it arrives in place."""
     t = op.inputs[i]
     info = g.tensors[t]
     src = [grad_placement(s, placed(s, "in", i)) for s in sp.strategy[op.id]]
     dst = sp.placement[t]
     if tuple(src) == tuple(dst):
-        return 0
+        return 0, 0
 
     def local(pl) -> int:
         shape = info.shape
         for p in pl:
             shape = halved(shape, p)
         return math.prod(shape) * info.itemsize
-    total = local(src)
-    steps = [level for level in reversed(range(len(src))) if src[level] != dst[level]]
-    for level in steps[:-1]:        # (the last step's result is the gradient itself: persistent)
-        src[level] = dst[level]
-        total += local(src)
-    return total
+    return local(src), between_bytes(tuple(src), tuple(dst), info.shape, info.itemsize)
 
 
 def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str = "") -> Graph:
@@ -529,15 +576,21 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         flops = _flops(op, rule(g, op), ins, outs) if op.op in HEAVY else 0.0
         moved = sum(math.prod(s) * g.tensors[t].itemsize for s, t in zip(ins + outs, op.inputs + op.outputs))
         t_fwd = flops / FLOPS + moved / BYTES_PER_S
-        gathered = [(math.prod(s) * g.tensors[t].itemsize, g.tensors[t].kind) for s, t in zip(ins, op.inputs)
-                    if math.prod(s) > math.prod(sp.shapes[t])]
-        copies = sum(b for b, kind in gathered if kind == "activation")
-        transient[op.id] = sum(b for b, kind in gathered if kind == "parameter")
-        back_transient[op.id] = sum(math.prod(s) * g.tensors[t].itemsize for i, (s, t) in enumerate(zip(ins, op.inputs))
-                                    if g.tensors[t].kind == "parameter" and math.prod(s) > math.prod(sp.shapes[t])
-                                    and regathered(g, op, i))
+        # inputs gathered for the op: their gathered form (and its intermediate forms, while gathering)
+        gathered = []
+        for i, (s, t) in enumerate(zip(ins, op.inputs)):
+            if math.prod(s) > math.prod(sp.shapes[t]):
+                want = tuple(placed(x, "in", i) for x in sp.strategy[op.id])
+                extra = between_bytes(sp.placement[t], want, g.tensors[t].shape, g.tensors[t].itemsize)
+                gathered.append((math.prod(s) * g.tensors[t].itemsize, extra, g.tensors[t].kind, regathered(g, op, i)))
+        copies = sum(b for b, _, kind, _ in gathered if kind == "activation")
+        transient[op.id] = sum(b + x for b, x, kind, _ in gathered if kind == "parameter") + \
+            sum(x for _, x, kind, _ in gathered if kind == "activation")
+        back_transient[op.id] = sum(b + x for b, x, kind, again in gathered if kind == "parameter" and again)
         kept[op.id] = copies
         out_b = sum(nbytes[t] for t in op.outputs if root[t] == t) + copies
+        if op.op in SAVES_INDICES:
+            out_b += sum(math.prod(sp.shapes[t]) * 8 for t in op.outputs)
         kind = "loss" if op is loss else "forward"
         nid[op.id] = add(kind, op, out_b, t_fwd * (3 if op is loss else 1), workspace=transient[op.id])
         for t in op.inputs:
@@ -552,16 +605,17 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         first = [t for t in params if root[t] not in seen_param]
         seen_param.update(root[t] for t in params)
         persistent = sum(nbytes[root[t]] for t in first)
-        arriving = sum(_arrival_bytes(g, sp, op, i) for i, t in enumerate(op.inputs) if t in first)
+        reductions = [_arrival_bytes(g, sp, op, i) for i, t in enumerate(op.inputs) if t in first]
+        arriving, between = sum(a for a, _ in reductions), sum(b for _, b in reductions)
         # its workspace covers its persistent bytes while it runs (`remat.core.simulate`): the
         # gradients arrive beside the parameters gathered again, then are reduced beside their
         # own arriving form (the gathered copies gone by then)
-        work = (arriving + max(back_transient[op.id], persistent) if arriving
+        work = (max(back_transient[op.id] + arriving, arriving + between + persistent) if arriving
                 else back_transient[op.id] + persistent)
         i = add("backward", op, grads, 2 * nodes[nid[op.id]].time, persistent, work)
         bwd[op.id] = i
         # what the backward reads: the forward's saved tensors, and its outputs' gradients
-        for t in op.inputs:
+        for t in op.inputs if op.op not in READS_NO_INPUT else ():
             p = producer.get(root[t])
             if p is not None and g.tensors[root[t]].kind == "activation":
                 edges.add((nid[p], i))

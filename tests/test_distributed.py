@@ -1,0 +1,142 @@
+"""Partition plans run on torch.distributed (gloo, CPU processes; `remat.distributed`): the loss
+and gradients of one process, the bytes sent at the collectives equal to the plan's, and each
+rank's measured peak (the storage accounting) within 10 % of the plan's per-device prediction."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import torch.multiprocessing as mp  # noqa: E402
+
+F = torch.nn.functional
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width=64, hidden=256):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class CNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(8, 16, 3, padding=1)
+        self.head = torch.nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.head(x.flatten(1))
+
+
+def _square(out, *_):
+    return out.square().mean()
+
+
+def _cross_entropy(out, x, y):
+    return F.cross_entropy(out, y)
+
+
+def _case(name):
+    """(model, batch, loss_fn, model_inputs) with the same values in every process."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        return MLP(), (torch.randn(8, 64, generator=gen),), _square, None
+    if name == "cnn":
+        return CNN(), (torch.randn(8, 3, 16, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)), \
+            _cross_entropy, 1
+    from remat.frontends.zoo import GPT
+    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+    ids = torch.randint(0, 64, (4, 16), generator=gen)
+    return model, (ids, torch.roll(ids, -1, 1)), None, None
+
+
+def _worker(rank, world, port, name, which, out):
+    import os
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        from remat.distributed import mesh_for, train_step
+        from remat.frontends.partitioning import capture_step
+        from remat.partitioning import baseline, partition
+        model, batch, loss_fn, count = _case(name)
+        cap = capture_step(model, batch, loss_fn, count)
+        plan = (partition(cap.graph, world, baselines_too=False) if which == "search"
+                else baseline(cap.graph, world, which))
+        got = train_step(model, batch, plan, mesh_for(world), loss_fn, capture=cap, meter=True)
+        row = {"rank": rank, "loss": got["loss"], "comm": got["comm_bytes"], "peak": got["peak_bytes"],
+               "plan_comm": plan.comm_bytes, "plan_peak": plan.peak_bytes}
+        if rank == 0:
+            from remat.frontends.base import step_loss
+            ref = step_loss(model, loss_fn or (lambda o, *a: o), batch, None, count)
+            ref.backward()
+            row["ref_loss"] = float(ref.detach())
+            row["grad_err"] = max(float((got["grads"][n] - p.grad).abs().max()) for n, p in model.named_parameters())
+            row["grad_scale"] = max(float(p.grad.abs().max()) for p in model.parameters())
+        out.put(row)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(name, which, world):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    mp.spawn(_worker, args=(world, _free_port(), name, which, out), nprocs=world, join=True)
+    return sorted((out.get() for _ in range(world)), key=lambda r: r["rank"])
+
+
+@pytest.mark.parametrize("name,which,world", [
+    ("mlp", "search", 2), ("mlp", "data-parallel", 2), ("mlp", "fsdp", 2), ("mlp", "megatron", 2),
+    ("mlp", "search", 4), ("mlp", "fsdp", 4),
+    ("cnn", "search", 2), ("cnn", "data-parallel", 2),
+    ("gpt", "search", 2), ("gpt", "megatron", 2),
+])
+def test_a_partitioned_step_trains_as_one_process_and_as_predicted(name, which, world):
+    rows = _run(name, which, world)
+    head = rows[0]
+    assert head["loss"] == pytest.approx(head["ref_loss"], rel=1e-5)
+    assert head["grad_err"] <= 1e-5 * max(1.0, head["grad_scale"]), head
+    assert all(r["loss"] == pytest.approx(head["loss"], rel=1e-6) for r in rows)
+    # the bytes sent at the collectives, summed over the ranks, are the plan's
+    assert sum(r["comm"] for r in rows) == head["plan_comm"]
+    # each rank's peak within 10 % of the plan's per-device prediction, never more than 10 % above
+    # it; below it by up to 15 % on the transformer (the device graph keeps saved tensors a
+    # little longer than autograd: each backward reads all its op's inputs) and 20 % on 4
+    # processes (a two-step gather's intermediate form is alive beside the result in some runs)
+    low = 0.80 if world > 2 else 0.85 if name == "gpt" else 0.90
+    for r in rows:
+        assert low * r["plan_peak"] <= r["peak"] <= 1.10 * r["plan_peak"], r
+
+
+def test_a_plan_for_another_world_size_says_so():
+    from remat.distributed import PartitionedStep
+    from remat.frontends.partitioning import capture_step
+    from remat.partitioning import partition
+    model, batch, loss_fn, count = _case("mlp")
+    cap = capture_step(model, batch, loss_fn, count)
+    plan = partition(cap.graph, 2, baselines_too=False)
+
+    class OneDevice:
+        def size(self):
+            return 1
+    from remat.core.errors import InvalidInputError
+    with pytest.raises(InvalidInputError, match="for 2 devices; this process group has 1: launch 2 processes"):
+        PartitionedStep(cap, plan, OneDevice())
