@@ -97,6 +97,7 @@ class JointCapture:
     param_grads: dict         # fx node -> [parameter FQN, ...]: its value is that parameter's gradient
     buffer_updates: dict      # fx node -> [buffer FQN, ...]: its value is the buffer's new value
     nodes_by_name: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)   # how it was captured, where not the plain way
 
 
 class _LossModule(torch.nn.Module):
@@ -134,10 +135,26 @@ def capture_joint(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Ca
     frozen: list = []
     untied: list = []
 
-    def export():
+    def plain_export():
         return aot_export_module(wrapper, args, trace_joint=True, output_loss_index=0, kwargs=kwargs or None)
+
+    def export():
+        # a model that reads a tensor's value while it is traced (transformers' GPT-2 without a
+        # cache checks for packed sequences) is traced again as torch.export traces it, where
+        # libraries skip such checks; not by default, since there they may also build the step
+        # differently (transformers then materialises a causal mask eager attention never makes)
+        try:
+            return plain_export()
+        except Exception as e:  # noqa: BLE001
+            if "DataDependent" not in type(e).__name__ and "data-dependent" not in str(e).lower():
+                raise
+            notes.append(f"captured as torch.export runs the model (the plain capture read a tensor's value: "
+                         f"{type(e).__name__})")
+            with traced_like_export():
+                return plain_export()
+    notes: list = []
     try:
-        with torch.random.fork_rng(devices=[]), quiet_torch_logs(), traced_like_export():
+        with torch.random.fork_rng(devices=[]), quiet_torch_logs():
             try:
                 gm, sig = export()
             except AssertionError as e:
@@ -203,7 +220,7 @@ def capture_joint(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Ca
         if node.op != "call_function":
             raise CaptureError(f"joint capture: output {node.name} is a {node.op}, not an op's value "
                                "(a parameter whose gradient is an input?); not supported")
-    return JointCapture(gm, ph, loss, grads, updates, by_name)
+    return JointCapture(gm, ph, loss, grads, updates, by_name, notes)
 
 
 def unused_parameters(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> list:
@@ -742,7 +759,7 @@ class JointFrontend(Frontend):
             "depth": None,
             "capture": CAPTURE_METHOD,
             "backward_edges": "saved",
-            "capture_notes": [],
+            "capture_notes": list(cap.notes),
             "rng_nodes": [g for g in range(len(nodes)) if prog.random[g]],
             "buffer_mutations": {nodes[g].name: [f for _, k, f in prog.sinks[g] if k == "buffer"]
                                  for g in range(len(nodes)) if any(k == "buffer" for _, k, _ in prog.sinks[g])},

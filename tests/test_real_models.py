@@ -233,4 +233,5 @@ def test_gpt2_without_a_cache_captures_its_joint_graph():
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     cap = capture_joint(model, (ids,), {}, lm_loss)
     assert any("scaled_dot_product" in str(n.target) or "bmm" in str(n.target) for n in cap.gm.graph.nodes)
+    assert any("as torch.export runs the model" in n for n in cap.notes), cap.notes
     assert not torch.compiler.is_compiling()      # the state is left as it was
