@@ -54,7 +54,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from remat.core.errors import InfeasibleBudgetError, InvalidInputError
+from remat.core.errors import InvalidInputError
 from remat.core.graph import Graph, Node
 
 from remat.core.opgraph import OpGraph, OpInfo

@@ -12,13 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-import remat  # noqa: E402
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError  # noqa: E402
 from remat.core.simulate import keep_all_peak  # noqa: E402
 from remat.frontends.partitioning import op_graph  # noqa: E402
 from remat.partitioning import PartitionPlan, baseline, partition  # noqa: E402
 from remat.solvers import tofu  # noqa: E402
-from remat.solvers.partition import PARTIAL, REPLICATE, Shard, letter_sizes, rule_for, strategies  # noqa: E402
+from remat.solvers.partition import PARTIAL, letter_sizes, rule_for, strategies  # noqa: E402
 
 _GEN = torch.Generator().manual_seed(0)
 
