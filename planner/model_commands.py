@@ -223,6 +223,14 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
     return 0
 
 
+def _save(record: Any, path: str) -> None:
+    """`record.save(path)` (a graph, a partition plan), a write failure as one line."""
+    try:
+        record.save(path)
+    except OSError as e:
+        raise RematError(f"cannot write {path!r}: {e.strerror or e}") from e
+
+
 def run_trace(args: Any) -> int:
     """``remat trace``: trace MODEL, print a summary, write the graph."""
     from remat.core.units import format_bytes
@@ -257,10 +265,7 @@ def run_trace(args: Any) -> int:
     print(f"time       forward {fwd * 1e3:.4g} ms, loss {loss * 1e3:.4g} ms, backward {bwd * 1e3:.4g} ms ({how})")
     print(f"trace      {secs['total']:.2f} s (capture {secs['capture']:.2f} s, profiling {secs['profile']:.2f} s = "
           f"{100 * secs['profile'] / secs['total'] if secs['total'] else 0:.0f}%)")
-    try:
-        graph.save(args.output)
-    except OSError as e:
-        raise RematError(f"cannot write {args.output!r}: {e.strerror or e}") from e
+    _save(graph, args.output)
     print(f"wrote      {args.output}")
     return 0
 
@@ -279,10 +284,7 @@ def run_partition(args: Any) -> int:
                   time_limit=args.time_limit)
     for line in report(p):
         print(line)
-    try:
-        p.save(args.output)
-    except OSError as e:
-        raise RematError(f"cannot write {args.output!r}: {e.strerror or e}") from e
+    _save(p, args.output)
     print(f"wrote {args.output}")
     return 0
 

@@ -119,7 +119,7 @@ def reduces_here(g: OpGraph, op: OpInfo, t: int) -> bool:
     """Whether `op` is where the gradient of input `t` is converted to `t`'s placement: for an
     activation, every reader (each converts its contribution); for a parameter, its last reader
     only (autograd sums a tied parameter's contributions before it accumulates, and the sum is
-    reduced once; `tied_costs` counts the other contributions)."""
+    reduced once; `mesh_comm` counts the other contributions)."""
     return g.tensors[t].kind != "parameter" or last_reader(g).get(t) == op.id
 
 
@@ -153,6 +153,16 @@ def halved(shape: tuple, p: Placement) -> tuple:
     if p.kind != "shard":
         return tuple(shape)
     return tuple(n // 2 if d == p.dim else n for d, n in enumerate(shape))
+
+
+def local_shape(shape: tuple, placements, skip: int | None = None) -> tuple:
+    """One device's shape of a tensor of global `shape` placed `placements` (one per mesh
+    dimension of 2), leaving out mesh dimension `skip`."""
+    shape = tuple(shape)
+    for level, p in enumerate(placements):
+        if level != skip:
+            shape = halved(shape, p)
+    return shape
 
 
 def op_strategies(g: OpGraph, op: OpInfo, shapes: dict) -> list:
@@ -394,10 +404,7 @@ class Split:
 
     def used_shape(self, g: OpGraph, op: OpInfo, i: int) -> tuple:
         """Per device, the shape of input i as `op` reads it (after its conversions)."""
-        shape = g.tensors[op.inputs[i]].shape
-        for level in self.strategy[op.id]:
-            shape = halved(shape, placed(level, "in", i) if level is not REPLICATED else REPLICATE)
-        return shape
+        return local_shape(g.tensors[op.inputs[i]].shape, [placed(s, "in", i) for s in self.strategy[op.id]])
 
 
 def levels_of(devices: int) -> int:
@@ -440,10 +447,7 @@ def mesh_conversion(src: tuple, dst: tuple, shape: tuple, itemsize: int, device_
     for level in reversed(range(m)):
         if cur[level] == dst[level]:
             continue
-        local = tuple(shape)
-        for j, p in enumerate(cur):
-            if j != level:
-                local = halved(local, p)
+        local = local_shape(shape, cur, skip=level)
         total += 2 ** (m - 1) * conversion(cur[level], dst[level], math.prod(local) * itemsize, device_type == "cpu")
         cur[level] = dst[level]
     return total
@@ -508,10 +512,7 @@ def between_bytes(src: tuple, dst: tuple, shape: tuple, itemsize: int) -> int:
     total = 0
     for level in steps[:-1]:
         cur[level] = dst[level]
-        local = tuple(shape)
-        for p in cur:
-            local = halved(local, p)
-        total += math.prod(local) * itemsize
+        total += math.prod(local_shape(shape, cur)) * itemsize
     return total
 
 
@@ -525,13 +526,8 @@ def _arrival_bytes(g: OpGraph, sp: Split, op: OpInfo, i: int) -> tuple[int, int]
     dst = sp.placement[t]
     if tuple(src) == tuple(dst):
         return 0, 0
-
-    def local(pl) -> int:
-        shape = info.shape
-        for p in pl:
-            shape = halved(shape, p)
-        return math.prod(shape) * info.itemsize
-    return local(src), between_bytes(tuple(src), tuple(dst), info.shape, info.itemsize)
+    return (math.prod(local_shape(info.shape, src)) * info.itemsize,
+            between_bytes(tuple(src), tuple(dst), info.shape, info.itemsize))
 
 
 def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str = "") -> Graph:
@@ -555,7 +551,6 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         raise InvalidInputError("partition: the loss is not computed by any op")
     forward = [op for op in compute if op.id != loss_op]
     loss = next(op for op in compute if op.id == loss_op)
-    order = forward + [loss] + [op for op in reversed(forward)]
     nid = {}
     nodes: list = []
     edges: set = set()
