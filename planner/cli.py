@@ -431,12 +431,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train a few steps with a plan; predicted vs measured peak and time",
                        description="Train MODEL for --steps steps on random batches with a plan (--plan, or "
                        "--budget to trace and plan first) and print, per step, the measured peak device "
-                       "bytes and time next to the plan's prediction; then one plain autograd step.",
+                       "bytes and time next to the plan's prediction; then one plain autograd step. A partition "
+                       "plan (remat partition) runs in one process a device: per step the loss beside one "
+                       "process's, per rank the measured peak and the bytes sent beside the plan's.",
                        epilog="MODEL: a zoo model, path/to/file.py:FACTORY or package.module:FACTORY; with "
                        "--plan it defaults to the model the plan was traced from.")
     p.add_argument("model", metavar="MODEL", nargs="?", default=None,
                    help="zoo name, FILE.py:FACTORY or package.module:FACTORY")
-    p.add_argument("--plan", default=None, metavar="PLAN.json", help="the plan to run")
+    p.add_argument("--plan", default=None, metavar="PLAN.json", help="the plan to run (remat plan's or remat partition's)")
     p.add_argument("--budget", default=None, help="plan first at this budget (e.g. 0.5x, 6GiB)")
     p.add_argument("--solver", default="ilp", help="solver when planning (default ilp)")
     _add_solver_options(p, 60.0)
@@ -447,6 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", default=None, help="one example's shape without the batch, e.g. 3,224,224")
     p.add_argument("--full", action="store_true", help="zoo models at their published size")
     p.add_argument("--no-plain", action="store_true", help="skip the plain autograd step")
+    p.add_argument("--nproc", type=_positive_int, default=None,
+                   help="with a partition plan (remat partition): processes to launch, one a device (default: the "
+                   "plan's devices; gloo on the CPU, NCCL with --device cuda)")
     p.add_argument("--executor", choices=("interpreter", "native", "auto"), default="interpreter",
                    help="how the plan runs: interpreter (the captured ops replayed, the default), native (the "
                    "model's own code with hooks; with --budget it plans for it), auto (native when the plan fits "
@@ -493,8 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(Tofu's recursive 2-way search, least communication whose per-device peak fits --budget), "
                        "print the split per block, per-device memory and communication beside data parallel, "
                        "FSDP-style, Megatron-style and layer placement, and write the partition plan.",
-                       epilog="Costs are bytes communicated per step and a FLOP model of time; running a "
-                       "partition plan on torch.distributed is not implemented yet.")
+                       epilog="Costs are bytes communicated per step and a FLOP model of time. Run the plan "
+                       "with remat run --plan PARTITION.json (one process a device, torch.distributed).")
     p.add_argument("model", metavar="MODEL", help="zoo name, FILE.py:FACTORY or package.module:FACTORY")
     p.add_argument("--devices", type=_positive_int, required=True, help="number of devices (a power of 2)")
     p.add_argument("--budget", default=None, help="memory per device, e.g. 20GiB (default: none, least communication)")

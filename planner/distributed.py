@@ -36,6 +36,7 @@ dropout 0 to compare).
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -271,9 +272,10 @@ def train_step(model: torch.nn.Module, batch: tuple, plan: PartitionPlan, mesh: 
             local = loss.to_local()
             local.backward()
         box["loss"] = float(local.detach())
-    if meter:
+    if meter:   # the storage accounting on the CPU; on CUDA max_memory_allocated
         from remat.frontends.measuring import measure_peak
-        box["peak_bytes"] = measure_peak(run, resident=[d.to_local() for d in leaves.values()])
+        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else None
+        box["peak_bytes"] = measure_peak(run, resident=[d.to_local() for d in leaves.values()], device=device)
     else:
         run()
     aliases: dict = {}
@@ -289,6 +291,104 @@ def train_step(model: torch.nn.Module, batch: tuple, plan: PartitionPlan, mesh: 
                 grads[alias] = full
     return {"loss": box["loss"], "grads": grads, "comm_bytes": counter.bytes, "calls": counter.calls,
             "peak_bytes": box.get("peak_bytes")}
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(plan: PartitionPlan, make: Callable[[], tuple], *, steps: int = 3, lr: float = 1e-3,
+           device_type: str = "cpu", reference: bool = True, timeout_s: float = 600.0) -> list:
+    """Train `steps` steps of a partition plan in ``plan.devices`` processes of this machine
+    (`torch.multiprocessing.spawn`; gloo on the CPU, NCCL on CUDA with one GPU a rank) and return
+    one row per step and rank: {"step", "rank", "loss", "reference_loss" (one process's loss on
+    the same parameters and batch, rank 0, with `reference`), "peak_bytes" (the storage
+    accounting on the CPU, ``max_memory_allocated`` on CUDA), "comm_bytes" (sent by the rank at
+    the collectives), "seconds"}.
+
+    `make()` -> (model, example inputs, ...) builds the model in each process (a picklable
+    callable: a module-level function or a `functools.partial` of one); every process seeds
+    its RNG with 0 first, and `distribute_tensor` scatters rank 0's values.  Each step draws a
+    random batch shaped like the example (the same on every rank), runs `train_step` and applies
+    SGD at `lr` to the full gradients.  An error in any rank raises `InvalidInputError` with that
+    rank's one-line message."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+    if device_type == "cuda" and torch.cuda.device_count() < plan.devices:
+        raise InvalidInputError(f"the partition plan is for {plan.devices} devices; this machine has "
+                                f"{torch.cuda.device_count()} GPUs")
+    with tempfile.TemporaryDirectory(prefix="remat-launch-") as tmp:
+        try:
+            mp.spawn(_rank_main, args=(plan.devices, _free_port(), plan.to_dict(), make, steps, lr, device_type,
+                                       reference, timeout_s, tmp), nprocs=plan.devices, join=True)
+        except mp.ProcessExitedException as e:
+            raise InvalidInputError(f"a process of the partitioned run exited ({e}); see its output above") from None
+        except mp.ProcessRaisedException:
+            errors = sorted(Path(tmp).glob("error-*.txt"))
+            if errors:
+                raise InvalidInputError(errors[0].read_text().strip()) from None
+            raise
+        return json.loads((Path(tmp) / "rows.json").read_text())
+
+
+def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable[[], tuple], steps: int,
+               lr: float, device_type: str, reference: bool, timeout_s: float, tmp: str) -> None:
+    """One process of `launch`."""
+    import datetime
+    import json
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from remat.core.errors import RematError
+    from remat.frontends.base import default_loss, step_loss
+    from remat.frontends.partitioning import capture_step
+    from remat.frontends.run import random_batch
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+        torch.manual_seed(0)
+        made = make()
+        model, example = made[0].to(device), random_batch(made[1], torch.Generator().manual_seed(0), device)
+        plan = PartitionPlan.from_dict(plan_dict)
+        capture = capture_step(model, example)
+        mesh = mesh_for(world, device_type)
+        gen = torch.Generator().manual_seed(1)
+        rows = []
+        for k in range(steps):
+            batch = random_batch(example, gen, device)
+            ref = None
+            if reference and rank == 0:
+                with torch.no_grad():
+                    ref = float(step_loss(model, default_loss, batch))
+            t0 = time.perf_counter()
+            got = train_step(model, batch, plan, mesh, capture=capture, meter=True)
+            seconds = time.perf_counter() - t0
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name in got["grads"]:
+                        p -= lr * got["grads"][name].to(p.device)
+            rows.append({"step": k, "rank": rank, "loss": got["loss"], "reference_loss": ref,
+                         "peak_bytes": got["peak_bytes"], "comm_bytes": got["comm_bytes"], "seconds": seconds})
+        every = [None] * world if rank == 0 else None
+        dist.gather_object(rows, every, dst=0)
+        if rank == 0:
+            (Path(tmp) / "rows.json").write_text(json.dumps([r for part in every for r in part]))
+    except RematError as e:
+        (Path(tmp) / f"error-{rank}.txt").write_text(f"rank {rank}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
 
 
 def mesh_for(devices: int, device_type: str = "cpu") -> Any:

@@ -162,6 +162,11 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
     from .budget import baseline_peak
     from .planning import plan as make_plan
     shape = parse_shape(args.input_shape)
+    if args.plan is not None and _format_of(args.plan) == "remat.partition":
+        return run_partitioned(args)
+    if getattr(args, "nproc", None) is not None:
+        raise InvalidInputError("remat run: --nproc is for a partition plan (remat partition -o PARTITION.json, then "
+                                "remat run --plan PARTITION.json); this run is on one device: drop --nproc")
     if args.plan is not None:
         p = load_plan(args.plan)
         spec = p.graph.meta.get("model_spec") or {}
@@ -220,6 +225,59 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
         print(f"plain      autograd steps: peak {format_bytes(rep.plain.peak_bytes)}, time {rep.plain.time * 1e3:.4g} ms; "
               f"planned/plain time {rep.step_time / rep.plain.time:.2f}x (predicted {pr['overhead']:.2f}x), "
               f"peak {rep.peak_bytes / rep.plain.peak_bytes:.2f}x")
+    return 0
+
+
+def _format_of(path: str) -> str | None:
+    """The ``format`` field of a JSON file (None when it is not JSON or has none: the plan
+    loader then says what is wrong)."""
+    import json
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return d.get("format") if isinstance(d, dict) else None
+
+
+def run_partitioned(args: Any) -> int:
+    """``remat run --plan PARTITION.json [--nproc N]``: train a few steps of a partition plan in
+    N processes (`remat.distributed.launch`) and print per step the loss beside one process's,
+    and per rank the measured peak and bytes sent beside the plan's."""
+    import functools
+
+    from remat.core.units import format_bytes
+
+    from .distributed import launch
+    from .partitioning import PartitionPlan
+    plan = PartitionPlan.load(args.plan)
+    if args.nproc is not None and args.nproc != plan.devices:
+        raise InvalidInputError(f"remat run: the partition plan is for {plan.devices} devices, --nproc is {args.nproc}: "
+                                f"give --nproc {plan.devices} or partition again with --devices {args.nproc}")
+    spec = plan.model_spec
+    which = args.model or spec.get("model")
+    if which is None:
+        raise InvalidInputError("remat run: the partition plan does not say which model it was made from; give MODEL")
+    shape = parse_shape(args.input_shape)
+    make = functools.partial(load_model, which, batch=args.batch if args.batch is not None else spec.get("batch"),
+                             input_shape=shape or (tuple(spec["input_shape"]) if spec.get("input_shape") else None),
+                             full=args.full or bool(spec.get("full")))
+    device = args.device or "cpu"
+    per_device = plan.comm_per_device
+    print(f"partition  {plan.model}: {plan.devices} processes ({'nccl' if device == 'cuda' else 'gloo'}), predicted "
+          f"per device: peak {format_bytes(plan.peak_bytes)}, sent {format_bytes(per_device)} a step "
+          f"({format_bytes(plan.comm_bytes)} all devices)")
+    rows = launch(plan, make, steps=args.steps, lr=args.lr, device_type=device, reference=not args.no_plain)
+    for k in sorted({r["step"] for r in rows}):
+        step = sorted((r for r in rows if r["step"] == k), key=lambda r: r["rank"])
+        ref = step[0]["reference_loss"]
+        sent = sum(r["comm_bytes"] for r in step)
+        print(f"step {k:<5} loss {step[0]['loss']:.6g}" + (f" (one process: {ref:.6g})" if ref is not None else "")
+              + f"  sent {format_bytes(sent)} ({100 * (sent - plan.comm_bytes) / max(plan.comm_bytes, 1):+.1f}% of "
+              f"predicted)  time {max(r['seconds'] for r in step) * 1e3:.4g} ms")
+        for r in step:
+            err = 100 * (r["peak_bytes"] - plan.peak_bytes) / plan.peak_bytes if plan.peak_bytes else 0.0
+            print(f"  rank {r['rank']:<3} peak {format_bytes(r['peak_bytes'])} ({err:+.1f}% of predicted)  sent "
+                  f"{format_bytes(r['comm_bytes'])}")
     return 0
 
 
@@ -282,6 +340,7 @@ def run_partition(args: Any) -> int:
     factor = {"none": 0.0, "sgd": 1.0, "adam": 2.0}[args.optimizer]
     p = partition(graph, args.devices, args.budget_bytes, optimizer_factor=factor, recompute=not args.no_recompute,
                   time_limit=args.time_limit)
+    p.model_spec = model_spec(args.model, args.batch, parse_shape(args.input_shape), args.full)
     for line in report(p):
         print(line)
     _save(p, args.output)

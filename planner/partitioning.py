@@ -59,6 +59,7 @@ class PartitionPlan:
     ops: list                       # [{"id", "op", "module", "spec", "strategy": [index or "replicated"]}]
     search: dict = field(default_factory=dict)      # lambda, exact, states, recompute plan, baseline name
     baselines: dict = field(default_factory=dict)   # name -> {"comm_bytes", "peak_bytes"} or {"error"}
+    model_spec: dict = field(default_factory=dict)  # how `remat run --plan` builds the model again (CLI)
 
     @property
     def comm_per_device(self) -> int:
@@ -83,7 +84,8 @@ class PartitionPlan:
                 "predicted": {"comm_bytes": self.comm_bytes, "comm_bytes_per_device": self.comm_per_device,
                               "peak_bytes": self.peak_bytes, "fixed_bytes": self.fixed_bytes,
                               "compute_time": self.compute_time},
-                "search": self.search, "baselines": self.baselines, "tensors": self.tensors, "ops": self.ops}
+                "search": self.search, "baselines": self.baselines, "model_spec": self.model_spec,
+                "tensors": self.tensors, "ops": self.ops}
 
     @classmethod
     def from_dict(cls, d: dict) -> "PartitionPlan":
@@ -95,7 +97,8 @@ class PartitionPlan:
             p = d["predicted"]
             return cls(d["model"], int(d["devices"]), d.get("budget_bytes"), int(p["comm_bytes"]),
                        int(p["peak_bytes"]), int(p["fixed_bytes"]), float(p["compute_time"]), list(d["tensors"]),
-                       list(d["ops"]), dict(d.get("search", {})), dict(d.get("baselines", {})))
+                       list(d["ops"]), dict(d.get("search", {})), dict(d.get("baselines", {})),
+                       dict(d.get("model_spec") or {}))
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidInputError(f"partition plan: missing or malformed field ({e})") from None
 

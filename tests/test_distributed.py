@@ -140,3 +140,41 @@ def test_a_plan_for_another_world_size_says_so():
     from remat.core.errors import InvalidInputError
     with pytest.raises(InvalidInputError, match="for 2 devices; this process group has 1: launch 2 processes"):
         PartitionedStep(cap, plan, OneDevice())
+
+
+FACTORY = '''
+import torch
+
+
+def make(batch=8):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    return model, (torch.randn(batch, 64),)
+'''
+
+
+def test_remat_run_launches_a_partition_plan(tmp_path, capsys):
+    """``remat partition`` then ``remat run --plan PARTITION.json``: one process a device, each
+    step's loss that of one process on the same parameters and batch, the bytes sent the plan's,
+    each rank's peak near the plan's; a process count other than the plan's is a one-line error."""
+    import re
+
+    from remat.cli import main
+    model = tmp_path / "mlp.py"
+    model.write_text(FACTORY)
+    plan = tmp_path / "partition.json"
+    assert main(["partition", f"{model}:make", "--devices", "2", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["run", "--plan", str(plan), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    steps = re.findall(r"step (\d+)\s+loss (\S+) \(one process: (\S+)\)  sent .* \(([+-]\d+\.\d)% of predicted\)", out)
+    assert [s[0] for s in steps] == ["0", "1"], out
+    for _, loss, ref, sent in steps:
+        assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+        assert sent in ("+0.0", "-0.0")
+    assert float(steps[1][1]) != float(steps[0][1])          # the parameters moved between the steps
+    peaks = [float(p) for p in re.findall(r"rank \d+\s+peak .* \(([+-]\d+\.\d)% of predicted\)", out)]
+    assert len(peaks) == 4 and all(-10.0 <= p <= 10.0 for p in peaks), out
+    assert main(["run", "--plan", str(plan), "--nproc", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "the partition plan is for 2 devices, --nproc is 4" in err and len(err.strip().splitlines()) == 1
