@@ -10,8 +10,13 @@ turns K into stage matrices the same way for every strategy, so comparisons are 
 4. forward block: while the forward pass is inside segment j (between consecutive checkpoints)
    the values computed so far in the segment stay resident;
 5. backward ladder: from the first backward stage that consumes a value of segment j until the
-   last one, all of the segment's forward values that are still needed stay resident, so each
-   segment is recomputed once and then held.
+   last one, the segment's forward values that are still needed (and not held by rules 3 or 6)
+   stay resident from the start of that stage, so each segment is recomputed once, in the stage
+   before, and then held;
+6. skip values: a forward value that a forward node of a later segment reads (an attention mask
+   every block reads, say) stays resident from its compute to its last consumer, like a
+   checkpoint, without cutting its segment.  Without this rule every later segment's forward
+   would recompute it, and with it the chain back to the last checkpoint, once per stage.
 
 R is the minimal recomputation that S implies (`solve_r_opt`); the simulator then gives memory
 and time.  (Checkmate keeps checkpoints to the end of the step; we release them after their
@@ -62,23 +67,27 @@ def schedule_from_checkpoints(graph: Graph, checkpoints: Iterable[int]) -> Sched
             seg += 1
             segments.append([])
     segments = [s for s in segments if s]
+    # 6. skip values
+    held = set(K)
+    for u in fwd:
+        if u not in K and any(seg_of.get(w, seg_of[u]) > seg_of[u] for w in graph.succs[u]):
+            hold(u, u + 1, last_use[u])
+            held.add(u)
     # 4. forward block
     for members in segments:
         for idx, v in enumerate(members):
             for u in members[:idx]:
                 if last_use[u] >= v:
                     S[v].add(u)
-    # 5. backward ladder
+    # 5. backward ladder (over the values not held anyway)
     for members in segments:
-        mset = set(members)
-        consumers = sorted({k for u in members for k in graph.succs[u]
-                            if graph.nodes[k].kind == "backward"})
+        free = [u for u in members if u not in held]
+        consumers = sorted({k for u in free for k in graph.succs[u] if graph.nodes[k].kind == "backward"})
         if not consumers:
             continue
         first, last = consumers[0], consumers[-1]
-        for u in members:
-            hold(u, first + 1, min(last, last_use[u]))
-        del mset
+        for u in free:
+            hold(u, first, min(last, last_use[u]))
     return Schedule.from_sets(graph, S)
 
 

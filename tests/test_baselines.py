@@ -273,3 +273,19 @@ def test_checkpoint_all_is_plain_autograds_schedule_and_keeping_every_forward_no
         assert baselines.checkpoint_all(g).ops == keep.ops
         res = simulate(g, keep)
         assert res.valid and sum(o.op == "compute" for o in keep.ops) == g.n   # nothing recomputed
+
+
+def test_a_value_every_segment_reads_is_held_not_recomputed_per_stage():
+    # a transformer's attention mask: made once at the start, read by every layer.  Checkpointing
+    # every third layer holds it (rule 6 of schedule_from_checkpoints) and recomputes each other
+    # forward node once for the backward, never once per stage of a later segment
+    from remat.generators import from_forward
+    n = 12
+    edges = [(i, i + 1) for i in range(1, n)] + [(0, i) for i in range(1, n + 1)]
+    g = from_forward([1.0] * (n + 1), [4] + [1] * n, edges)
+    sched = baselines.schedule_from_checkpoints(g, [3, 6, 9])
+    res = simulate(g, sched)
+    counts = [sum(1 for o in sched.ops if o.op == "compute" and o.node == v) for v in g.forward_ids()]
+    assert res.valid
+    assert counts[0] == 1 and max(counts) <= 2, counts
+    assert res.compute_time <= g.total_time + (n + 1)    # at most one forward pass more
