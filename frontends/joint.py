@@ -18,8 +18,9 @@ Nodes (`JointProgram.groups`; graph node i = group i):
   that produces the loss value, with the gradient seed folded into it (``ones_like(loss)`` and
   its views: its bytes are the loss and the seed); ``backward``: everything that depends on the
   loss (gradient ops).  Backward formulas' parts that read only forward values (no gradient)
-  are ``forward`` nodes, which the solvers may recompute.  Ids: forward nodes (fx order), the
-  loss, backward nodes (fx order): a topological order;
+  are ``forward`` nodes, which the solvers may recompute.  Ids: forward nodes (fx order, each
+  such part right after its latest input: `forward_order`), the loss, backward nodes (fx
+  order): a topological order;
 * edges: data dependencies between nodes (a backward op reading a forward value is a
   "saved tensor" edge);
 * an op whose outputs that other ops read lie in several storages (batch norm's output and
@@ -510,8 +511,7 @@ def discover_groups(cap: JointCapture, const: dict) -> tuple[list, list, list]:
             group_of[n] = g
     preds = [sorted({group_of[i] for n in m for i in n.all_input_nodes} - {STATIC, g}) for g, m in enumerate(groups)]
     kinds = _kinds(cap, groups, group_of, preds)
-    order = ([g for g, k in enumerate(kinds) if k == "forward"] + [kinds.index("loss")]
-             + [g for g, k in enumerate(kinds) if k == "backward"])
+    order = forward_order(kinds, preds) + [kinds.index("loss")] + [g for g, k in enumerate(kinds) if k == "backward"]
     out_groups, out_kinds, part_of = [], [], []
     for g in order:
         lead = len(out_groups)
@@ -521,6 +521,26 @@ def discover_groups(cap: JointCapture, const: dict) -> tuple[list, list, list]:
             out_kinds.append(kinds[g])
             part_of.append(lead if j else None)
     return out_groups, static, out_kinds, part_of
+
+
+def forward_order(kinds: list, preds: list) -> list:
+    """The forward groups in node order: fx order, except that a backward formula's part that
+    reads only forward values (``pow(x, 2)`` of a tanh-GELU's derivative, traced after the loss)
+    comes right after its latest input rather than at the end of the forward.  There it is made
+    while its input exists anyway, and a schedule keeps it or recomputes it before its reader;
+    at the end of the forward, at the loss's instant (where a language model's logits make the
+    step's peak), every block's input of it would have to be resident or recomputed at once."""
+    loss = kinds.index("loss")
+    order: list = []
+    for g, k in enumerate(kinds):
+        if k != "forward":
+            continue
+        at = {h: i for i, h in enumerate(order)}
+        if g < loss or not preds[g] or any(p not in at for p in preds[g]):
+            order.append(g)   # (one that reads no value of the step stays where it was traced)
+        else:
+            order.insert(max(at[p] for p in preds[g]) + 1, g)
+    return order
 
 
 def split_outputs(members: list, group_of: dict, storage_of: dict) -> list:

@@ -90,6 +90,50 @@ def test_checkpoint_all_simulates_as_a_training_graph(small_graph):
     assert res.peak_bytes == plan.predicted["peak_bytes"]
 
 
+class CubicBlocks(nn.Module):
+    """Residual blocks whose activation's derivative has a part that reads only the forward's
+    value: the backward of ``x.pow(3)`` computes ``x.pow(2)`` (transformers' tanh-GELU has it)."""
+
+    def __init__(self, width=16, blocks=3):
+        super().__init__()
+        self.fcs = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.head = nn.Linear(width, 64)
+
+    def forward(self, x):
+        for fc in self.fcs:
+            h = fc(x)
+            x = x + torch.tanh(h + 0.04 * h.pow(3))
+        return self.head(x)
+
+
+def test_a_backward_formulas_part_on_forward_values_comes_right_after_its_input():
+    # traced after the loss, x.pow(2) is a forward node (the solvers may recompute it); placed at
+    # the end of the forward it would need every block's input at the head's instant
+    torch.manual_seed(0)
+    model, inputs = CubicBlocks(), (torch.randn(4, 16),)
+    g = remat.trace(model, inputs, granularity="joint", profile="flops")
+    loss = next(v.id for v in g.nodes if v.kind == "loss")
+    # 3 * x.pow(2): a pow of the block's addmm and a mul that only the backward reads
+    scaled = [v for v in g.nodes if v.kind == "forward" and v.extra["op"].startswith("mul")
+              and all(g.nodes[s].kind == "backward" for s in g.succs[v.id])]
+    assert len(scaled) == 3, [v.name for v in g.nodes]
+    for v in scaled:
+        (square,) = g.preds[v.id]
+        (made,) = g.preds[square]
+        assert g.nodes[square].extra["op"].startswith("pow") and g.nodes[made].extra["op"].startswith("addmm")
+        assert v.id == square + 1 == made + 2 < loss - 2, (v.name, g.nodes[made].name)
+    res = remat.simulate(g, remat.plan(g, "1.0x", solver="checkpoint-all").schedule)
+    assert res.valid and res.compute_counts == [1] * g.n
+
+
+def test_forward_order_moves_parts_traced_after_the_loss_behind_their_latest_input():
+    from remat.frontends.joint import forward_order
+    kinds = ["forward", "forward", "forward", "loss", "forward", "forward", "backward", "forward"]
+    preds = [[], [0], [1], [2], [0], [4, 1], [3, 5], []]
+    # 4 reads 0: after 0; 5 reads 4 and 1: after 1; 7 reads nothing of the step: where traced
+    assert forward_order(kinds, preds) == [0, 4, 1, 5, 2, 7]
+
+
 # ---- plans run as plain autograd ----------------------------------------------------------------
 def _mlp():
     torch.manual_seed(0)
