@@ -305,7 +305,8 @@ def launch(plan: PartitionPlan, make: Callable[[], tuple], *, steps: int = 3, lr
     """Train `steps` steps of a partition plan in ``plan.devices`` processes of this machine
     (`torch.multiprocessing.spawn`; gloo on the CPU, NCCL on CUDA with one GPU a rank) and return
     one row per step and rank: {"step", "rank", "loss", "reference_loss" (one process's loss on
-    the same parameters and batch, rank 0, with `reference`), "peak_bytes" (the storage
+    the same parameters and batch, rank 0, with `reference`), "random" (the step draws random
+    numbers: each rank its own, module docstring), "peak_bytes" (the storage
     accounting on the CPU, ``max_memory_allocated`` on CUDA), "comm_bytes" (sent by the rank at
     the collectives), "seconds"}.
 
@@ -349,6 +350,7 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
     from remat.core.errors import RematError
     from remat.frontends.base import default_loss, step_loss
     from remat.frontends.partitioning import capture_step
+    from remat.frontends.profile import is_random
     from remat.frontends.run import random_batch
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     if device_type == "cuda":
@@ -362,6 +364,7 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
         model, example = made[0].to(device), random_batch(made[1], torch.Generator().manual_seed(0), device)
         plan = PartitionPlan.from_dict(plan_dict)
         capture = capture_step(model, example)
+        random = any(is_random(n) for n in capture.op_nodes)
         mesh = mesh_for(world, device_type)
         gen = torch.Generator().manual_seed(1)
         rows = []
@@ -378,7 +381,7 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
                 for name, p in model.named_parameters():
                     if name in got["grads"]:
                         p -= lr * got["grads"][name].to(p.device)
-            rows.append({"step": k, "rank": rank, "loss": got["loss"], "reference_loss": ref,
+            rows.append({"step": k, "rank": rank, "loss": got["loss"], "reference_loss": ref, "random": random,
                          "peak_bytes": got["peak_bytes"], "comm_bytes": got["comm_bytes"], "seconds": seconds})
         every = [None] * world if rank == 0 else None
         dist.gather_object(rows, every, dst=0)

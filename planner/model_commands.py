@@ -257,6 +257,10 @@ def run_partitioned(args: Any) -> int:
     which = args.model or spec.get("model")
     if which is None:
         raise InvalidInputError("remat run: the partition plan does not say which model it was made from; give MODEL")
+    where = which.rpartition(":")[0]
+    if where.endswith(".py") and not Path(where).is_file():   # (said here, not by every process)
+        raise InvalidInputError(f"MODEL: the file {where!r} does not exist (the partition plan names it relative to "
+                                "where remat partition ran); give MODEL")
     shape = parse_shape(args.input_shape)
     make = functools.partial(load_model, which, batch=args.batch if args.batch is not None else spec.get("batch"),
                              input_shape=shape or (tuple(spec["input_shape"]) if spec.get("input_shape") else None),
@@ -267,6 +271,9 @@ def run_partitioned(args: Any) -> int:
           f"per device: peak {format_bytes(plan.peak_bytes)}, sent {format_bytes(per_device)} a step "
           f"({format_bytes(plan.comm_bytes)} all devices)")
     rows = launch(plan, make, steps=args.steps, lr=args.lr, device_type=device, reference=not args.no_plain)
+    if rows and rows[0]["random"]:
+        print("note       the step draws random numbers (dropout): each rank draws its own, so its loss is not one "
+              "process's; set dropout to 0 to compare")
     for k in sorted({r["step"] for r in rows}):
         step = sorted((r for r in rows if r["step"] == k), key=lambda r: r["rank"])
         ref = step[0]["reference_loss"]
