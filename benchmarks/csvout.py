@@ -1,12 +1,14 @@
 """What the benchmarks share: their CSV output (one header, one row per dict, the file's folder
-made if missing), and a steady allocator for timing on the CPU."""
+made if missing), a steady allocator for timing on the CPU, and step times taken in turns."""
 from __future__ import annotations
 
 import csv
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 
 def write_csv(path: "str | Path", columns: Sequence[str], rows: Iterable[dict]) -> Path:
@@ -32,3 +34,25 @@ def steady_malloc() -> None:
     if all(os.environ.get(k) == v for k, v in MALLOC_ENV.items()):
         return
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+
+
+def time_in_turns(steps: "dict[str, Callable[[], None]]", rounds: int, sync: Callable[[], None] = lambda: None,
+                  progress: bool = False) -> "dict[str, float]":
+    """Median seconds of each variant's step, the variants taking turns step by step: round 0 warms
+    every variant up, rounds 1..`rounds` are timed.  On a shared machine whose speed drifts by tens
+    of percent over minutes, a variant timed in a block of its own minutes apart from another is
+    not comparable with it; taking turns puts the same drift into every variant's median.  `sync`
+    runs before and after each step (``torch.cuda.synchronize`` on a GPU)."""
+    times: dict = {name: [] for name in steps}
+    for k in range(rounds + 1):
+        for name, step in steps.items():
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            if k:
+                times[name].append(time.perf_counter() - t0)
+        if progress:
+            print(f"  round {k}/{rounds}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items() if t),
+                  flush=True)
+    return {name: statistics.median(t) for name, t in times.items()}

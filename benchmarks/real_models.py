@@ -2,20 +2,22 @@
 
 For each case, in one run, each variant on a fresh copy of the model with the same seed and
 batches, gradients set to None between steps (PyTorch's default loop), every peak measured by one
-meter (`remat.measure`: the exact storage accounting on the CPU) and every time the median of
-``--steps`` steps after a warm-up:
+meter (`remat.measure`: the exact storage accounting on the CPU, one step after a warm-up) and
+every time the median of ``--steps`` steps taken at the end, the variants taking turns step by
+step after a warm-up round (`csvout.time_in_turns`: this machine's speed drifts by tens of
+percent over minutes, so variants timed minutes apart are not comparable):
 
 * plain autograd, and `torch.utils.checkpoint` on every repeated block (`checkpoint_every_block`);
 * remat's graph traced with the defaults (``granularity="auto"``): its predicted peak without
   recomputation against plain's measured peak;
 * remat's plans at ``--budgets`` (fractions of that predicted plain peak), at the peak
   checkpointing measured, and at the smallest budget the planner finds (`vs_checkpoint.tightest_plan`),
-  each run by `remat.run_plan`: measured peak against the budget and the prediction, measured time
-  overhead (against plain's step) against the predicted one, and the solver's wall time, status
-  and gap.
+  measured by `remat.run_plan` and timed by `remat.apply` (the same interpreter): measured peak
+  against the budget and the prediction, measured time overhead (against plain's step) against
+  the predicted one, and the solver's wall time, status and gap.
 
     python benchmarks/real_models.py                                   # resnet50, vit_b_16, gpt2
-    python benchmarks/real_models.py --cases resnet50 --steps 2 --time-limit 120
+    python benchmarks/real_models.py --cases resnet50 --steps 3 --time-limit 120
 
 Cases: torchvision ResNet-50 (batch 8, 224 px), torchvision ViT-B/16 (batch 8, 224 px, its default
 dropout 0), transformers' GPT-2 124M (12 layers, width 768, vocabulary 50257; batch 2, sequence
@@ -34,14 +36,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from csvout import steady_malloc, write_csv  # noqa: E402
+from csvout import steady_malloc, time_in_turns, write_csv  # noqa: E402
 from gpu_check import time_steps  # noqa: E402  (the same loop)
 from peers import hf_gpt2  # noqa: E402
 from vs_checkpoint import tightest_plan  # noqa: E402
 
 import remat  # noqa: E402
+from remat.core.analysis import forced_need  # noqa: E402
 from remat.core.errors import InfeasibleBudgetError, SolverError  # noqa: E402
 from remat.frontends import vision  # noqa: E402
+from remat.frontends.base import step_loss  # noqa: E402
 from remat.frontends.checkpointing import checkpoint_every_block  # noqa: E402
 from remat.frontends.run import run_plan  # noqa: E402
 
@@ -61,26 +65,33 @@ def run_case(case: str, budgets: list[float], steps: int, time_limit: float, tig
     model, example, loss_fn = CASES[case]()
     dev = torch.device("cpu")
     mib = 2 ** 20
-    plain_s, plain_peak = time_steps(model, example, dev, steps, set_to_none=True, loss_fn=loss_fn)
-    ckpt_s, ckpt_peak = time_steps(checkpoint_every_block(model), example, dev, steps, set_to_none=True,
-                                   loss_fn=loss_fn)
+    # peaks: one metered step after a warm-up per variant; times: all variants in turns at the end
+    plain_peak = time_steps(model, example, dev, 1, set_to_none=True, loss_fn=loss_fn)[1]
+    ckpt_peak = time_steps(checkpoint_every_block(copy.deepcopy(model)), example, dev, 1, set_to_none=True,
+                           loss_fn=loss_fn)[1]
     rows = [{"case": case, "variant": "plain", "measured_peak": plain_peak, "peak_over_plain": 1.0,
-             "measured_overhead": 1.0, "step_s": plain_s},
+             "measured_overhead": 1.0},
             {"case": case, "variant": "checkpoint every block", "measured_peak": ckpt_peak,
-             "peak_over_plain": ckpt_peak / plain_peak, "measured_overhead": ckpt_s / plain_s, "step_s": ckpt_s}]
-    print(f"{case}: plain {plain_peak / mib:.1f} MiB {plain_s:.2f} s; checkpoint every block "
-          f"{ckpt_peak / mib:.1f} MiB ({ckpt_peak / plain_peak:.3f}x) {ckpt_s / plain_s:.2f}x time", flush=True)
+             "peak_over_plain": ckpt_peak / plain_peak}]
+    print(f"{case}: plain {plain_peak / mib:.1f} MiB; checkpoint every block {ckpt_peak / mib:.1f} MiB "
+          f"({ckpt_peak / plain_peak:.3f}x)", flush=True)
     t0 = time.perf_counter()
     graph = remat.trace(model, example, loss_fn=loss_fn, name=case, progress=True)
     traced_s = time.perf_counter() - t0
     keep_all = remat.plan(graph, "1.0x", solver="checkpoint-all").predicted["peak_bytes"]
     gran = graph.meta["granularity"]
+    floor = forced_need(graph)
     rows.append({"case": case, "variant": "remat keep-all (predicted)", "granularity": gran, "nodes": graph.n,
                  "predicted_peak": keep_all, "peak_over_plain": keep_all / plain_peak,
                  "plan_s": round(traced_s, 1), "note": "plan_s: trace seconds"})
+    rows.append({"case": case, "variant": "floor (proven)", "granularity": gran, "nodes": graph.n,
+                 "predicted_peak": floor, "peak_over_plain": floor / plain_peak,
+                 "note": f"forced_need: every schedule holds this; {floor / ckpt_peak:.3f}x checkpointing's peak"})
     print(f"  traced ({gran}, {graph.n} nodes) in {traced_s:.0f} s; predicted peak without recomputation "
-          f"{keep_all / mib:.1f} MiB = {keep_all / plain_peak:.3f}x plain's measured", flush=True)
+          f"{keep_all / mib:.1f} MiB = {keep_all / plain_peak:.3f}x plain's measured; every schedule needs "
+          f"{floor / mib:.1f} MiB = {floor / ckpt_peak:.3f}x checkpointing's peak (forced_need)", flush=True)
     wanted = [(f"{b:g}x", int(b * keep_all)) for b in budgets] + [("at checkpoint's peak", ckpt_peak)]
+    plans = {}
     for label, budget in wanted + ([("tightest", None)] if tightest else []):
         t0 = time.perf_counter()
         try:
@@ -94,28 +105,60 @@ def run_case(case: str, budgets: list[float], steps: int, time_limit: float, tig
             continue
         plan_s = time.perf_counter() - t0
         budget = plan.budget_bytes if budget is None else budget
-        rep = run_plan(copy.deepcopy(model), example, plan, steps=steps, plain=False, loss_fn=loss_fn)
+        rep = run_plan(copy.deepcopy(model), example, plan, steps=1, plain=False, loss_fn=loss_fn)
         pred = plan.predicted["peak_bytes"]
         row = {"case": case, "variant": f"remat {label}", "granularity": gran, "nodes": graph.n, "budget": budget,
                "predicted_peak": pred, "measured_peak": rep.peak_bytes,
                "measured_over_predicted": rep.peak_bytes / pred, "peak_over_plain": rep.peak_bytes / plain_peak,
-               "predicted_overhead": plan.predicted["overhead"], "measured_overhead": rep.step_time / plain_s,
-               "step_s": rep.step_time, "plan_s": round(plan_s, 1), "status": plan.solver.get("status"),
-               "gap": plan.solver.get("gap")}
+               "predicted_overhead": plan.predicted["overhead"], "plan_s": round(plan_s, 1),
+               "status": plan.solver.get("status"), "gap": plan.solver.get("gap")}
         rows.append(row)
+        plans[row["variant"]] = plan
         print(f"  remat {label}: budget {budget / mib:.1f} MiB, measured {rep.peak_bytes / mib:.1f} MiB "
               f"({row['measured_over_predicted']:.4f}x predicted, {row['peak_over_plain']:.3f}x plain, "
-              f"{rep.peak_bytes / ckpt_peak:.3f}x checkpointing's); time {row['measured_overhead']:.2f}x plain "
-              f"(predicted {row['predicted_overhead']:.2f}x; {rep.step_time / ckpt_s:.2f}x checkpointing's); "
+              f"{rep.peak_bytes / ckpt_peak:.3f}x checkpointing's); predicted time {row['predicted_overhead']:.2f}x; "
               f"planned in {plan_s:.0f} s, {row['status']}, gap {row['gap']}", flush=True)
+    times = time_in_turns(turns(model, example, loss_fn, plans), steps, progress=True)
+    plain_s, ckpt_s = times["plain"], times["checkpoint every block"]
+    for row in rows:
+        if row["variant"] in times:
+            s = row["step_s"] = times[row["variant"]]
+            row["measured_overhead"] = s / plain_s
+            print(f"  {row['variant']}: {s:.2f} s = {s / plain_s:.3f}x plain, {s / ckpt_s:.3f}x checkpointing's"
+                  + (f" (predicted {row['predicted_overhead']:.3f}x)" if row.get("predicted_overhead") else ""),
+                  flush=True)
     return rows
+
+
+def turns(model: torch.nn.Module, example: tuple, loss_fn, plans: dict) -> dict:
+    """One step function per variant, each on a fresh copy of `model` (gradients set to None
+    before its step, as PyTorch's default loop does): plain autograd, checkpointing every block,
+    and each plan applied (`remat.apply`, the interpreter `run_plan` uses)."""
+    def eager(m: torch.nn.Module):
+        def step() -> None:
+            for p in m.parameters():
+                p.grad = None
+            step_loss(m, loss_fn, example).backward()
+        return step
+
+    def planned(m: torch.nn.Module, plan):
+        ex = remat.apply(m, plan, example, loss_fn=loss_fn)
+
+        def step() -> None:
+            for p in m.parameters():
+                p.grad = None
+            ex(*example).backward()
+        return step
+    return {"plain": eager(copy.deepcopy(model)),
+            "checkpoint every block": eager(checkpoint_every_block(copy.deepcopy(model))),
+            **{name: planned(copy.deepcopy(model), plan) for name, plan in plans.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--budgets", default="0.7,0.5", help="fractions of the predicted peak without recomputation")
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per variant (after one warm-up)")
+    ap.add_argument("--steps", type=int, default=3, help="timed rounds, the variants taking turns (after a warm-up round)")
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per plan")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--no-tightest", action="store_true", help="skip the plan at the smallest budget found")
