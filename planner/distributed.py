@@ -352,7 +352,10 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
     from remat.frontends.partitioning import capture_step
     from remat.frontends.profile import is_random
     from remat.frontends.run import random_batch
+    import logging
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    # (DTensor warns on every two-level gather of a (2, 2) mesh, which the plan chose and costed)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world,
