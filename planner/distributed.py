@@ -342,6 +342,7 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
     """One process of `launch`."""
     import datetime
     import json
+    import logging
     import os
     import time
 
@@ -352,7 +353,6 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
     from remat.frontends.partitioning import capture_step
     from remat.frontends.profile import is_random
     from remat.frontends.run import random_batch
-    import logging
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     # (DTensor warns on every two-level gather of a (2, 2) mesh, which the plan chose and costed)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -364,7 +364,8 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
         device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
         torch.manual_seed(0)
         made = make()
-        model, example = made[0].to(device), random_batch(made[1], torch.Generator().manual_seed(0), device)
+        model = made[0].to(device)
+        example = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, made[1])
         plan = PartitionPlan.from_dict(plan_dict)
         capture = capture_step(model, example)
         random = any(is_random(n) for n in capture.op_nodes)

@@ -271,7 +271,9 @@ def run_partitioned(args: Any) -> int:
           f"per device: peak {format_bytes(plan.peak_bytes)}, sent {format_bytes(per_device)} a step "
           f"({format_bytes(plan.comm_bytes)} all devices)")
     rows = launch(plan, make, steps=args.steps, lr=args.lr, device_type=device, reference=not args.no_plain)
-    if rows and rows[0]["random"]:
+    differ = any(r["reference_loss"] is not None and abs(r["loss"] - r["reference_loss"]) > 1e-5 * abs(r["reference_loss"])
+                 for r in rows)
+    if differ and rows[0]["random"]:
         print("note       the step draws random numbers (dropout): each rank draws its own, so its loss is not one "
               "process's; set dropout to 0 to compare")
     for k in sorted({r["step"] for r in rows}):
