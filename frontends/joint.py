@@ -535,11 +535,10 @@ def forward_order(kinds: list, preds: list) -> list:
     for g, k in enumerate(kinds):
         if k != "forward":
             continue
-        at = {h: i for i, h in enumerate(order)}
-        if g < loss or not preds[g] or any(p not in at for p in preds[g]):
+        if g < loss or not preds[g]:
             order.append(g)   # (one that reads no value of the step stays where it was traced)
-        else:
-            order.insert(max(at[p] for p in preds[g]) + 1, g)
+        else:   # (a forward group's inputs are forward groups traced before it: placed already)
+            order.insert(max(order.index(p) for p in preds[g]) + 1, g)
     return order
 
 

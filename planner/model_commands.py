@@ -163,21 +163,14 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
     from .planning import plan as make_plan
     shape = parse_shape(args.input_shape)
     if args.plan is not None and _format_of(args.plan) == "remat.partition":
-        return run_partitioned(args)
+        return run_partitioned(args, shape)
     if getattr(args, "nproc", None) is not None:
         raise InvalidInputError("remat run: --nproc is for a partition plan (remat partition -o PARTITION.json, then "
                                 "remat run --plan PARTITION.json); this run is on one device: drop --nproc")
     if args.plan is not None:
         p = load_plan(args.plan)
-        spec = p.graph.meta.get("model_spec") or {}
-        which = args.model or spec.get("model")
-        if which is None:
-            raise InvalidInputError("remat run: the plan does not say which model it was traced from; give MODEL")
-        model, inputs, name = load_model(which, batch=args.batch if args.batch is not None else spec.get("batch"),
-                                         input_shape=shape or (tuple(spec["input_shape"]) if spec.get("input_shape")
-                                                               else None),
-                                         full=args.full or bool(spec.get("full")),
-                                         seq_len=None if shape else spec.get("seq_len"))
+        which, options = model_from_spec(args, shape, p.graph.meta.get("model_spec") or {}, "traced")
+        model, inputs, name = load_model(which, **options)
     else:
         if args.model is None:
             raise InvalidInputError("remat run: give MODEL with --budget, or --plan PLAN.json")
@@ -239,7 +232,18 @@ def _format_of(path: str) -> str | None:
     return d.get("format") if isinstance(d, dict) else None
 
 
-def run_partitioned(args: Any) -> int:
+def model_from_spec(args: Any, shape: tuple | None, spec: dict, made: str) -> tuple[str, dict]:
+    """(MODEL, `load_model`'s options) for a plan's model: the command line's where given, else
+    the plan's `model_spec` (`model_spec`); `made` says how the plan came from the model."""
+    which = args.model or spec.get("model")
+    if which is None:
+        raise InvalidInputError(f"remat run: the plan does not say which model it was {made} from; give MODEL")
+    return which, {"batch": args.batch if args.batch is not None else spec.get("batch"),
+                   "input_shape": shape or (tuple(spec["input_shape"]) if spec.get("input_shape") else None),
+                   "full": args.full or bool(spec.get("full")), "seq_len": None if shape else spec.get("seq_len")}
+
+
+def run_partitioned(args: Any, shape: tuple | None) -> int:
     """``remat run --plan PARTITION.json [--nproc N]``: train a few steps of a partition plan in
     N processes (`remat.distributed.launch`) and print per step the loss beside one process's,
     and per rank the measured peak and bytes sent beside the plan's."""
@@ -253,18 +257,12 @@ def run_partitioned(args: Any) -> int:
     if args.nproc is not None and args.nproc != plan.devices:
         raise InvalidInputError(f"remat run: the partition plan is for {plan.devices} devices, --nproc is {args.nproc}: "
                                 f"give --nproc {plan.devices} or partition again with --devices {args.nproc}")
-    spec = plan.model_spec
-    which = args.model or spec.get("model")
-    if which is None:
-        raise InvalidInputError("remat run: the partition plan does not say which model it was made from; give MODEL")
+    which, options = model_from_spec(args, shape, plan.model_spec, "partitioned")
     where = which.rpartition(":")[0]
     if where.endswith(".py") and not Path(where).is_file():   # (said here, not by every process)
         raise InvalidInputError(f"MODEL: the file {where!r} does not exist (the partition plan names it relative to "
                                 "where remat partition ran); give MODEL")
-    shape = parse_shape(args.input_shape)
-    make = functools.partial(load_model, which, batch=args.batch if args.batch is not None else spec.get("batch"),
-                             input_shape=shape or (tuple(spec["input_shape"]) if spec.get("input_shape") else None),
-                             full=args.full or bool(spec.get("full")))
+    make = functools.partial(load_model, which, **options)
     device = args.device or "cpu"
     per_device = plan.comm_per_device
     print(f"partition  {plan.model}: {plan.devices} processes ({'nccl' if device == 'cuda' else 'gloo'}), predicted "
