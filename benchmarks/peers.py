@@ -27,14 +27,17 @@ seed before every step), in PyTorch's default loop (gradients set to None betwee
 For each: the peak (one meter for all: on the CPU the allocator's own events,
 ``remat.measure(meter="allocator")``, which see inside compiled code and kernels' scratch
 buffers; on CUDA ``max_memory_allocated``; eager variants also under the storage accounting,
-the meter remat's CPU predictions are made for), the median step time of ``--steps`` steps after warm-up, and the largest
-difference of the loss and of any gradient from plain autograd's on a reference step (the same
-batch and RNG seed for every variant).  Times are over
-plain's, measured first and again last (the median of the two).  CSV rows, and a picture: step time against peak, both over plain's, one marker per variant, remat's points joined.
+the meter remat's CPU predictions are made for), the median step time of ``--steps`` steps
+after a warm-up, taken in turns with plain autograd's step (`csvout.time_in_turns`; this
+machine's speed drifts by tens of percent over minutes, so each variant's time is over the
+plain steps taken between its own), and the largest difference of the loss and of any gradient
+from plain autograd's on a reference step (the same batch and RNG seed for every variant).  A
+last ``plain (again)`` row, a fresh copy timed the same way, shows the timing's noise.  CSV rows, and a picture: step time against peak, both over plain's, one marker per variant, remat's points joined.
 
     python benchmarks/peers.py                                  # zoo GPT-2 (4 layers, batch 8, seq 256)
     python benchmarks/peers.py --case hf-gpt2                   # transformers GPT-2 (4 layers, width 128)
     python benchmarks/peers.py --case resnet50 --inductor --budgets 0.1,0.5,0.9
+    python benchmarks/peers.py --case tv-resnet50 --solvers dp --budgets 0.1,0.5,0.9 --time-limit 60
     python benchmarks/peers.py --case mlp --only-compile --remat-compiled --inductor --solvers dp
 """
 from __future__ import annotations
@@ -42,14 +45,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from csvout import steady_malloc, write_csv  # noqa: E402
+from csvout import steady_malloc, time_in_turns, write_csv  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -105,24 +106,26 @@ CASES = {
     # torchvision at the real-model suite's sizes (cross entropy over labels, an input of the step)
     "tv-resnet50": (lambda: (*vision.get("resnet50", batch=8, tiny=False), vision.cross_entropy), {}),
     "tv-vit_b_16": (lambda: (*vision.get("vit_b_16", batch=8, tiny=False), vision.cross_entropy), {}),
+    # transformers' GPT-2 124M (12 layers, width 768, GPT-2's vocabulary), batch 2, sequence 256
+    "gpt2-124m": (lambda: hf_gpt2(batch=2, seq=256, layers=12, width=768, heads=12, vocab=50257), {}),
 }
 COLUMNS = ("case", "variant", "kind", "peak_bytes", "storage_peak_bytes", "predicted_peak_bytes", "step_s",
+           "plain_step_s",
            "peak_over_plain", "time_over_plain", "loss_diff", "max_grad_diff", "grad_diff_vs_compile_1", "note")
 
 
-def run_steps(model: torch.nn.Module, step: Callable[[tuple], torch.Tensor], example: tuple, steps: int,
+def run_steps(model: torch.nn.Module, step: Callable[[tuple], torch.Tensor], example: tuple,
               warmup: int, device: torch.device, storage: bool) -> dict:
-    """Peak, median time, and the reference step's loss and gradients: `warmup` steps, `steps`
-    timed steps (no meter: a meter's per-op cost grows with the op count, which compiled graphs
-    change), the reference step, one step under the allocator meter and, with `storage`, one
-    under the storage accounting (the meter remat's CPU predictions are made for; it would make
-    compiled code run eagerly).  Every step's batch and RNG seed are the same across variants."""
+    """Peaks, and the reference step's loss and gradients: `warmup` steps, the reference step, one
+    step under the allocator meter and, with `storage`, one under the storage accounting (the
+    meter remat's CPU predictions are made for; it would make compiled code run eagerly).  Every
+    step's batch and RNG seed are the same across variants.  Times are taken apart
+    (`timed_against_plain`), with no meter: a meter's per-op cost grows with the op count, which
+    compiled graphs change."""
     gen = torch.Generator().manual_seed(1)
-    batches = [random_batch(example, gen, device) for _ in range(warmup + steps)]
+    batches = [random_batch(example, gen, device) for _ in range(warmup)]
     reference = random_batch(example, torch.Generator().manual_seed(2), device)
-    peak, times, first = 0, [], None
-    # the timed steps, then the reference step (the same batch and seed for every variant: its
-    # loss and gradients are compared), then the meters' steps
+    peak, first = 0, None
     meters = [None] * len(batches) + ["reference", "allocator"] + (["storage"] if storage else [])
     batches = batches + [reference] * (len(meters) - len(batches))
     storage_peak = None
@@ -138,26 +141,39 @@ def run_steps(model: torch.nn.Module, step: Callable[[tuple], torch.Tensor], exa
             box.append(loss.detach())
         resident = list(model.parameters()) + list(model.buffers()) + list(batch)
         if meter is None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
             one()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if k >= warmup:
-                times.append(time.perf_counter() - t0)
-            continue
-        if meter == "reference":
+        elif meter == "reference":
             one()
             first = (float(box[0]), [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
-            continue
-        m = remat.measure(one, device, resident=resident, meter=meter)
-        if meter == "storage":
-            storage_peak = m.peak_bytes
         else:
-            peak = m.peak_bytes
-    return {"peak_bytes": peak, "storage_peak_bytes": storage_peak, "step_s": statistics.median(times),
-            "first": first}
+            m = remat.measure(one, device, resident=resident, meter=meter)
+            if meter == "storage":
+                storage_peak = m.peak_bytes
+            else:
+                peak = m.peak_bytes
+    for p in model.parameters():
+        p.grad = None
+    return {"peak_bytes": peak, "storage_peak_bytes": storage_peak, "first": first}
+
+
+def training_step(model: torch.nn.Module, step: Callable[[tuple], torch.Tensor], batch: tuple) -> Callable[[], None]:
+    """One step of PyTorch's default loop on a fixed batch: gradients set to None, then the
+    step's loss and its backward."""
+    def one() -> None:
+        for p in model.parameters():
+            p.grad = None
+        step(batch).backward()
+    return one
+
+
+def timed_against_plain(variant: Callable[[], None], plain: Callable[[], None], rounds: int,
+                        device: torch.device) -> tuple[float, float]:
+    """(median seconds of `variant`'s step, of plain autograd's), the two taking turns step by
+    step (`csvout.time_in_turns`): the same drift of this shared machine's speed falls on both,
+    so their ratio holds where times of variants measured minutes apart do not."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    t = time_in_turns({"variant": variant, "plain": plain}, rounds, sync)
+    return t["variant"], t["plain"]
 
 
 def grad_diff(a: list, b: list) -> float:
@@ -193,27 +209,37 @@ def main(argv=None) -> int:
     base.to(dev)
     rows: list[dict] = []
     plain_first: dict = {}
+    timing_batch = random_batch(example, torch.Generator().manual_seed(3), dev)
+    plain_model = copy.deepcopy(base)   # plain autograd, timed in turns with every variant
+    plain_step: list = []
 
     def record(variant: str, kind: str, model: torch.nn.Module, step: Callable, warmup: int = 1,
-               note: str = "", predicted: int | None = None, reference: list | None = None) -> dict:
-        res = run_steps(model, step, example, args.steps, warmup, dev,
+               note: str = "", predicted: int | None = None, reference: list | None = None,
+               keep_grads: bool = False) -> dict:
+        res = run_steps(model, step, example, warmup, dev,
                         storage=not kind.startswith("compile") and dev.type == "cpu")
         loss, grads = res["first"]
         if not plain_first:
-            plain_first.update(loss=loss, grads=grads, peak=res["peak_bytes"], time=res["step_s"])
+            plain_first.update(loss=loss, grads=grads, peak=res["peak_bytes"])
+            plain_step.append(training_step(plain_model, eager(plain_model), timing_batch))
+            s = plain_s = time_in_turns({"plain": plain_step[0]}, args.steps)["plain"]
+        else:
+            s, plain_s = timed_against_plain(training_step(model, step, timing_batch), plain_step[0], args.steps, dev)
         row = {"case": args.case, "variant": variant, "kind": kind, "peak_bytes": res["peak_bytes"],
                "storage_peak_bytes": res["storage_peak_bytes"], "predicted_peak_bytes": predicted,
-               "step_s": round(res["step_s"], 5), "peak_over_plain": round(res["peak_bytes"] / plain_first["peak"], 4),
-               "time_over_plain": round(res["step_s"] / plain_first["time"], 3),
+               "step_s": round(s, 5), "plain_step_s": round(plain_s, 5),
+               "peak_over_plain": round(res["peak_bytes"] / plain_first["peak"], 4),
+               "time_over_plain": round(s / plain_s, 3),
                "loss_diff": abs(loss - plain_first["loss"]), "max_grad_diff": grad_diff(grads, plain_first["grads"]),
                "grad_diff_vs_compile_1": grad_diff(grads, reference) if reference is not None else None,
                "note": note}
         rows.append(row)
-        print(f"{variant:<40} peak {row['peak_over_plain']:.3f}x  time {row['time_over_plain']:.3f}x  "
-              f"grad diff {row['max_grad_diff']:.2e}"
+        print(f"{variant:<40} peak {row['peak_over_plain']:.3f}x  time {row['time_over_plain']:.3f}x "
+              f"({s:.3f} s, plain {plain_s:.3f} s)  grad diff {row['max_grad_diff']:.2e}"
               + (f" (vs budget 1: {row['grad_diff_vs_compile_1']:.2e})" if reference is not None else "")
               + f"  {note}", flush=True)
-        row["_grads"] = grads
+        if keep_grads:
+            row["_grads"] = grads
         return row
 
     def eager(model: torch.nn.Module, wrap: Callable[[], Any] = contextlib.nullcontext) -> Callable:
@@ -222,8 +248,7 @@ def main(argv=None) -> int:
                 return step_loss(model, loss_fn, batch)   # labels: the loss's only
         return step
 
-    m = copy.deepcopy(base)
-    record("plain", "plain", m, eager(m), warmup=3)  # (the process's first steps run slow)
+    record("plain", "plain", plain_model, eager(plain_model), warmup=3)  # (the process's first steps run slow)
     blocks = block_names(base)
     for k in (1, 2, 3) if not args.only_compile else ():
         m = checkpoint_every_block(base, blocks[k - 1::k])
@@ -278,7 +303,7 @@ def main(argv=None) -> int:
                     iconfig.patch(fallback_random=True):
                 try:
                     row = record(f"compile-{backend}-{solver}-{b:g}", f"compile-{backend}", m, eager(compiled),
-                                 warmup=2, reference=reference)
+                                 warmup=2, reference=reference, keep_grads=reference is None)
                 except Exception as e:  # noqa: BLE001 - a peer that fails is a row, not the end
                     print(f"compile-{backend}-{solver}-{b:g}: {type(e).__name__}: {e}", flush=True)
                     continue
@@ -307,11 +332,7 @@ def main(argv=None) -> int:
                note=f"{plan.solver.get('status')}, predicted {plan.predicted['overhead']:.3f}x",
                predicted=plan.predicted["peak_bytes"])
     m = copy.deepcopy(base)
-    again = record("plain (again)", "plain", m, eager(m))
-    # the ratios' reference: plain's median time, measured at the start and again at the end
-    ref = statistics.median([rows[0]["step_s"], again["step_s"]])
-    for row in rows:
-        row["time_over_plain"] = round(row["step_s"] / ref, 3)
+    record("plain (again)", "plain", m, eager(m), note="a fresh copy against the first: the timing's noise")
     out = args.output or f"benchmarks/results/peers-{args.case}.csv"
     for row in rows:
         row.pop("_grads", None)

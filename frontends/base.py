@@ -72,10 +72,13 @@ def model_inputs(model: torch.nn.Module, args: tuple, kwargs: dict | None = None
     recorded as ``meta["model_inputs"]``) says how many the model takes; without it, all of them
     up to the last positional parameter of its ``forward`` (all where it takes ``*args``;
     parameters given in `kwargs` do not count): an input the model could take goes to the model
-    (for ``forward(x, mask=None)`` the labels would be the mask: say ``model_inputs=1``)."""
+    (for ``forward(x, mask=None)`` the labels would be the mask: say ``model_inputs=1``).  A
+    ``torch.compile``'d module counts as the module it compiles."""
     import inspect
     if count is not None:
         return args[:count]
+    # (``torch.compile(model)`` forwards ``*args``: the signature is its original module's)
+    model = getattr(model, "_orig_mod", model)
     try:
         params = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError):

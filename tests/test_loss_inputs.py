@@ -55,6 +55,7 @@ def test_the_model_takes_the_inputs_its_forward_has_positions_for_unless_told():
     assert model_inputs(Masked(), (x, m)) == (x, m)           # a mask the model can take goes to it
     assert model_inputs(Masked(), (x, y), count=1) == (x,)    # said: the rest are the loss's
     assert model_inputs(Masked(), (x, m), {"mask": m}) == (x,)
+    assert model_inputs(torch.compile(Classifier()), (x, y)) == (x,)  # (compiled: its module's signature)
     with pytest.raises(InvalidInputError, match="model_inputs: expected a whole number from 0 to 2"):
         remat.trace(Masked(), (x, y), loss_fn=lambda out, a, b: out.sum(), model_inputs=3, profile="flops")
 
