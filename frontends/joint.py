@@ -66,6 +66,7 @@ import logging
 import statistics
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
@@ -299,7 +300,7 @@ class JointProgram:
     parts: list = field(default_factory=list)    # per group: the later parts of its op (leaders only)
     op_members: list = field(default_factory=list)  # per group: the fx nodes its op runs (leader and parts)
 
-    @property
+    @cached_property
     def loss_id(self) -> int:
         return self.kinds.index("loss")
 

@@ -42,6 +42,7 @@ peak up to a few bytes (the loss tensor handed to the caller and autograd's own 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -145,8 +146,13 @@ class _JointRun(RunBase):
         first = g not in self.computed
         if not first and self.updated:
             self._check_buffer_reads(g)
-        with torch.no_grad():
-            with self.rng_of(g, prog.random[g]):
+        # (inside the step's autograd.Function grad mode is already off; a context per node costs
+        # more than most nodes' Python)
+        with torch.no_grad() if torch.is_grad_enabled() else nullcontext():
+            if prog.random[g]:
+                with self.rng_of(g, True):
+                    local = prog.run(g, self.lookup)
+            else:
                 local = prog.run(g, self.lookup)
             kept = prog.op_keep(g)
             for node, what, fqn in prog.sinks[g]:

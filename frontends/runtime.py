@@ -113,6 +113,8 @@ class RunBase:
         self.pending: dict[int, Any] = {}      # node -> event of its last transfer not yet waited for
         self.rng: dict[int, tuple] = {}
         self.computed: set[int] = set()
+        self._handlers = {"compute": self.run_compute, "free": self.free, "swap_out": self.swap_out,
+                          "swap_in": self.swap_in, "wait": self.wait}
 
     def wait(self, v: int | None) -> None:
         """The compute stream waits for v's last transfer (``wait v``, or before a use of v)."""
@@ -140,8 +142,7 @@ class RunBase:
 
     def run_op(self, op) -> None:
         """Perform one op of the plan; `run_compute` and `free` are each executor's own."""
-        handler = {"compute": self.run_compute, "free": self.free, "swap_out": self.swap_out,
-                   "swap_in": self.swap_in, "wait": self.wait}.get(op.op)
+        handler = self._handlers.get(op.op)
         if handler is None:
             raise RuntimeError(f"remat.apply: unknown op {op.op!r}")
         handler(op.node)
