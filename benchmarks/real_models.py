@@ -39,13 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from csvout import steady_malloc, time_in_turns, write_csv  # noqa: E402
 from gpu_check import time_steps  # noqa: E402  (the same loop)
 from peers import hf_gpt2  # noqa: E402
-from vs_checkpoint import tightest_plan  # noqa: E402
+from vs_checkpoint import tightest_plan, turns  # noqa: E402
 
 import remat  # noqa: E402
 from remat.core.analysis import forced_need  # noqa: E402
 from remat.core.errors import InfeasibleBudgetError, SolverError  # noqa: E402
 from remat.frontends import vision  # noqa: E402
-from remat.frontends.base import step_loss  # noqa: E402
 from remat.frontends.checkpointing import checkpoint_every_block  # noqa: E402
 from remat.frontends.run import run_plan  # noqa: E402
 
@@ -128,30 +127,6 @@ def run_case(case: str, budgets: list[float], steps: int, time_limit: float, tig
                   + (f" (predicted {row['predicted_overhead']:.3f}x)" if row.get("predicted_overhead") else ""),
                   flush=True)
     return rows
-
-
-def turns(model: torch.nn.Module, example: tuple, loss_fn, plans: dict) -> dict:
-    """One step function per variant, each on a fresh copy of `model` (gradients set to None
-    before its step, as PyTorch's default loop does): plain autograd, checkpointing every block,
-    and each plan applied (`remat.apply`, the interpreter `run_plan` uses)."""
-    def eager(m: torch.nn.Module):
-        def step() -> None:
-            for p in m.parameters():
-                p.grad = None
-            step_loss(m, loss_fn, example).backward()
-        return step
-
-    def planned(m: torch.nn.Module, plan):
-        ex = remat.apply(m, plan, example, loss_fn=loss_fn)
-
-        def step() -> None:
-            for p in m.parameters():
-                p.grad = None
-            ex(*example).backward()
-        return step
-    return {"plain": eager(copy.deepcopy(model)),
-            "checkpoint every block": eager(checkpoint_every_block(copy.deepcopy(model))),
-            **{name: planned(copy.deepcopy(model), plan) for name, plan in plans.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

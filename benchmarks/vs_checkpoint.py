@@ -6,9 +6,11 @@ For each case: plain autograd, `torch.utils.checkpoint` (non-reentrant) on every
 `zero_grad()` leaves them; an op's output tensors freed one by one) at two budgets:
 the peak checkpoint-every-block measured, and the smallest one the planner finds (what
 `remat.plan` names when asked for what every schedule must hold, `analysis.forced_need`, or where
-it finds no plan in the time limit there, the smallest of a few bisected budgets that it plans).  Every step is
-measured side by side in this one run (`remat.measure`: exact storage accounting on the CPU; the
-median of `--steps` timed steps after a warm-up), with gradients set to None between steps.
+it finds no plan in the time limit there, the smallest of a few bisected budgets that it plans).  Peaks: one
+step of each variant after a warm-up (`remat.measure`: exact storage accounting on the CPU); times:
+the median of `--steps` steps, the variants taking turns step by step after a warm-up round
+(`csvout.time_in_turns`: this machine's speed drifts by tens of percent over minutes); gradients
+set to None between steps.
 Figures are ratios: remat's peak against checkpointing's, and its step time against
 checkpointing's at the same peak.
 
@@ -27,11 +29,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from csvout import steady_malloc, write_csv  # noqa: E402
+from csvout import steady_malloc, time_in_turns, write_csv  # noqa: E402
 from gpu_check import time_steps  # noqa: E402  (the same loop)
 
 import remat  # noqa: E402
-from remat.frontends import zoo  # noqa: E402
+from remat.frontends import default_loss, zoo  # noqa: E402
+from remat.frontends.base import step_loss  # noqa: E402
 from remat.frontends.checkpointing import checkpoint_every_block  # noqa: E402
 from remat.frontends.run import run_plan  # noqa: E402
 from remat.core.analysis import forced_need  # noqa: E402
@@ -86,12 +89,12 @@ def run_case(case: str, steps: int, time_limit: float, granularity: str = "modul
     model, example = zoo.get(name, **kw)
     example = example if isinstance(example, tuple) else (example,)
     dev = torch.device("cpu")
-    plain_s, plain_peak = time_steps(model, example, dev, steps, set_to_none=True)
-    ckpt_s, ckpt_peak = time_steps(checkpoint_every_block(model), example, dev, steps, set_to_none=True)
+    plain_peak = time_steps(model, example, dev, 1, set_to_none=True)[1]
+    ckpt_peak = time_steps(checkpoint_every_block(model), example, dev, 1, set_to_none=True)[1]
     native = executor == "native"   # (the model's own code: module calls recomputed whole, at depth auto)
     graph = remat.trace(model, example, depth="auto" if native else depth, name=case, granularity=granularity)
     row = {"case": case, "granularity": granularity + (" native" if native else ""), "nodes": graph.n,
-           "plain_peak": plain_peak, "plain_s": plain_s, "ckpt_peak": ckpt_peak, "ckpt_s": ckpt_s}
+           "plain_peak": plain_peak, "ckpt_peak": ckpt_peak}
     opts = {"executor": "native"} if native else {}
     try:
         plans = {"at_ckpt": remat.plan(graph, ckpt_peak, swap=False, time_limit=time_limit, **opts)}
@@ -99,11 +102,15 @@ def run_case(case: str, steps: int, time_limit: float, granularity: str = "modul
         plans = {"at_ckpt": tightest_plan(graph, plain_peak, time_limit, **opts)}
     plans["tightest"] = tightest_plan(graph, ckpt_peak, time_limit, **opts)
     for key, plan in plans.items():
-        rep = run_plan(copy.deepcopy(model), example, plan, steps=steps, plain=False, executor=executor)
-        row[f"{key}_peak"], row[f"{key}_s"] = rep.peak_bytes, rep.step_time
+        rep = run_plan(copy.deepcopy(model), example, plan, steps=1, plain=False, executor=executor)
+        row[f"{key}_peak"] = rep.peak_bytes
         row[f"{key}_predicted_peak"] = rep.predicted["peak_bytes"]
         if key == "at_ckpt":
             row["at_ckpt_predicted_overhead"] = plan.predicted["overhead"]
+    times = time_in_turns(turns(model, example, default_loss, plans, executor), steps)
+    plain_s, ckpt_s = row["plain_s"], row["ckpt_s"] = times["plain"], times["checkpoint every block"]
+    for key in plans:
+        row[f"{key}_s"] = times[key]
     row["tightest_over_ckpt_peak"] = row["tightest_peak"] / ckpt_peak
     row["at_ckpt_over_ckpt_time"] = row["at_ckpt_s"] / ckpt_s
     mib = 2 ** 20
@@ -114,6 +121,31 @@ def run_case(case: str, steps: int, time_limit: float, granularity: str = "modul
           f"{row['tightest_over_ckpt_peak']:.2f}x checkpointing's peak, {row['tightest_s'] / plain_s:.2f}x time",
           flush=True)
     return row
+
+
+def turns(model: torch.nn.Module, example: tuple, loss_fn, plans: dict, executor: str = "interpreter") -> dict:
+    """One step function per variant for `csvout.time_in_turns`, each on a fresh copy of `model`
+    (gradients set to None before its step, as PyTorch's default loop does): plain autograd,
+    checkpointing every block, and each plan applied (`remat.apply` with `executor`, as
+    `run_plan` runs it)."""
+    def eager(m: torch.nn.Module):
+        def step() -> None:
+            for p in m.parameters():
+                p.grad = None
+            step_loss(m, loss_fn, example).backward()
+        return step
+
+    def planned(m: torch.nn.Module, plan):
+        ex = remat.apply(m, plan, example, loss_fn=loss_fn, executor=executor)
+
+        def step() -> None:
+            for p in m.parameters():
+                p.grad = None
+            ex(*example).backward()
+        return step
+    return {"plain": eager(copy.deepcopy(model)),
+            "checkpoint every block": eager(checkpoint_every_block(model)),
+            **{name: planned(copy.deepcopy(model), plan) for name, plan in plans.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
