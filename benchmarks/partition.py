@@ -90,6 +90,7 @@ def worker(rank: int, world: int, port: int, name: str, which: str, out) -> None
             step_loss(model, loss_fn or (lambda o, *a: o), batch, None, count).backward()
             row["grad_err"] = max(float((got["grads"][n] - p.grad).abs().max()) for n, p in model.named_parameters())
         out.put(row)
+        dist.barrier()  # every rank tears gloo down together: one that leaves early can abort at exit
     finally:
         dist.destroy_process_group()
 

@@ -391,6 +391,7 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
         dist.gather_object(rows, every, dst=0)
         if rank == 0:
             (Path(tmp) / "rows.json").write_text(json.dumps([r for part in every for r in part]))
+        dist.barrier()  # every rank tears gloo down together: one that leaves early can abort at exit
     except RematError as e:
         (Path(tmp) / f"error-{rank}.txt").write_text(f"rank {rank}: {e}")
         raise

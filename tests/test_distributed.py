@@ -86,6 +86,7 @@ def _worker(rank, world, port, name, which, out):
             row["grad_err"] = max(float((got["grads"][n] - p.grad).abs().max()) for n, p in model.named_parameters())
             row["grad_scale"] = max(float(p.grad.abs().max()) for p in model.parameters())
         out.put(row)
+        dist.barrier()  # every rank tears gloo down together: one that leaves early can abort at exit
     finally:
         dist.destroy_process_group()
 
