@@ -262,15 +262,20 @@ def _strip(fqn: str) -> str:
     return fqn[len(WRAPPER_PREFIX):] if fqn.startswith(WRAPPER_PREFIX) else fqn
 
 
-def placeholder_values(cap: JointCapture, model: torch.nn.Module, flat_inputs: list) -> dict:
+def model_state(model: torch.nn.Module) -> dict:
+    """{name: tensor} of every parameter and buffer, tied ones under each of their names (one walk
+    of the module tree; `get_parameter` per name walks the path each time)."""
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def placeholder_values(cap: JointCapture, model: torch.nn.Module, flat_inputs: list, state: dict | None = None) -> dict:
     """fx placeholder -> the real tensor: the model's parameters and buffers, the call's inputs,
-    the graph's lifted constants."""
+    the graph's lifted constants.  `state`: `model_state(model)` where the caller has it."""
     out = {}
+    state = model_state(model) if state is None else state
     for n, (kind, what) in cap.placeholders.items():
-        if kind == "parameter":
-            out[n] = model.get_parameter(what)
-        elif kind == "buffer":
-            out[n] = model.get_buffer(what)
+        if kind in ("parameter", "buffer"):
+            out[n] = state[what]
         elif kind == "constant":
             out[n] = getattr(cap.gm, what)
         else:

@@ -51,14 +51,21 @@ import torch.fx as fx
 from remat.core.errors import InvalidInputError
 from remat.core.plan import Plan
 
-from .joint import STATIC, JointProgram, capture_joint, placeholder_values, program_from_graph, steals_gradient
+from .joint import (STATIC, JointProgram, capture_joint, model_state, placeholder_values, program_from_graph,
+                    steals_gradient)
+from .joint_codegen import Unsupported, generate
 from .runtime import PlannedBase, RunBase
 from .transfer import StorageSet, Transfers
 
 log = logging.getLogger(__name__)
 
 class PlannedJointStep(PlannedBase):
-    """``planned(*inputs) -> loss`` that runs `plan`'s ops over the joint graph; see the module docstring."""
+    """``planned(*inputs) -> loss`` that runs `plan`'s ops over the joint graph; see the module docstring.
+    ``code``: the plan as straight-line Python (`joint_codegen`), None where it is interpreted
+    (``interpreted_because`` says why); ``straight_line = False`` interprets it anyway (and so
+    does a step with an ``on_op`` probe)."""
+
+    straight_line = True
 
     def __init__(self, model: torch.nn.Module, plan: Plan, example_inputs: Any = None, loss_fn: Callable | None = None,
                  example_kwargs: dict | None = None):
@@ -72,6 +79,12 @@ class PlannedJointStep(PlannedBase):
         cap = capture_joint(self.model, args, kwargs, self.loss_fn, self.plan.graph.meta.get("model_inputs"))
         self._prog: JointProgram = program_from_graph(cap, self.plan.graph)
         self._split_ops(self._prog.loss_id)
+        try:
+            self.code: tuple | None = generate(self._prog, self._fwd_ops, self._bwd_ops)
+            self.interpreted_because: str | None = None
+        except Unsupported as e:
+            self.code, self.interpreted_because = None, str(e)
+            log.info("remat.apply: the plan is interpreted op by op (%s)", e)
         self._ready = True
 
     def _new_run(self, args: tuple, flat: list, transfers: Transfers) -> "_JointRun":
@@ -85,7 +98,8 @@ class _JointRun(RunBase):
         super().__init__(step, transfers)   # host: swapped-out node -> (host buffers, value layouts)
         self.prog: JointProgram = step._prog
         self.model = step.model
-        self.const: dict = placeholder_values(self.prog.cap, step.model, flat_inputs)
+        self.state = model_state(step.model)   # (the sinks' targets)
+        self.const: dict = placeholder_values(self.prog.cap, step.model, flat_inputs, self.state)
         with torch.no_grad():
             self.prog.run_static(self.const)
         self.values: dict[int, dict] = {}
@@ -93,6 +107,19 @@ class _JointRun(RunBase):
         self.updated: set[str] = set()     # buffers updated this step
         self.warned: set[int] = set()
         self.loss_value: torch.Tensor | None = None
+        self.code = step.code if step.straight_line and step.on_op is None else None
+
+    def forward_ops(self) -> None:
+        if self.code is None:
+            return super().forward_ops()
+        with torch.no_grad() if torch.is_grad_enabled() else nullcontext():
+            self.code[0](self, self.const)
+
+    def backward_ops(self) -> None:
+        if self.code is None:
+            return super().backward_ops()
+        with torch.no_grad() if torch.is_grad_enabled() else nullcontext():
+            self.code[1](self, self.const)
 
     def lookup(self, x: fx.Node) -> Any:
         g = self.prog.group_of[x]
@@ -113,6 +140,11 @@ class _JointRun(RunBase):
         vals = self.values.get(g)
         if vals is None:
             raise RuntimeError(f"remat.apply: swap_out of node {g}, which is not resident")
+        self.send(g, vals)
+
+    def send(self, g: int, vals: dict) -> None:
+        """Start copying node g's values ({fx node: value}) to host buffers; they stay resident
+        until ``free g``."""
         moved = StorageSet()
         layout = {n: ("host", moved.add(t)) if isinstance(t, torch.Tensor) else ("value", t) for n, t in vals.items()}
         self.wait(g)
@@ -125,11 +157,16 @@ class _JointRun(RunBase):
             raise RuntimeError(f"remat.apply: swap_in of node {g}, which has no host copy")
         if g in self.values:
             raise RuntimeError(f"remat.apply: swap_in of node {g}, which is resident")
+        self.values[g] = self.receive(g)
+
+    def receive(self, g: int) -> dict:
+        """Node g's values ({fx node: value}) back on the device, as views of storages whose
+        copies have started (``wait g``, or the first use, waits for them)."""
         buffers, layout = self.host[g]
         storages, event = self.transfers.to_device(buffers)
-        self.values[g] = {n: StorageSet.view(storages, how[1], self.device) if how[0] == "host" else how[1]
-                          for n, how in layout.items()}
         self.pending[g] = event
+        return {n: StorageSet.view(storages, how[1], self.device) if how[0] == "host" else how[1]
+                for n, how in layout.items()}
 
     def run_compute(self, g: int) -> None:
         prog = self.prog
@@ -145,7 +182,7 @@ class _JointRun(RunBase):
             return
         first = g not in self.computed
         if not first and self.updated:
-            self._check_buffer_reads(g)
+            self.check_buffer_reads(g)
         # (inside the step's autograd.Function grad mode is already off; a context per node costs
         # more than most nodes' Python)
         with torch.no_grad() if torch.is_grad_enabled() else nullcontext():
@@ -157,7 +194,7 @@ class _JointRun(RunBase):
             kept = prog.op_keep(g)
             for node, what, fqn in prog.sinks[g]:
                 if first:
-                    self._apply_sink(local[node], what, fqn, stealable=node not in kept)
+                    self.apply_sink(local[node], what, fqn, stealable=node not in kept)
                 if node not in kept:
                     local.pop(node, None)
             self.stash.update(prog.take_parts(g, local))
@@ -166,7 +203,7 @@ class _JointRun(RunBase):
         if g == prog.loss_id:
             self.loss_value = local[prog.cap.loss]
 
-    def _check_buffer_reads(self, g: int) -> None:
+    def check_buffer_reads(self, g: int) -> None:
         """A recomputation reads a buffer this step already updated: it sees the new value.  Harmless
         for BatchNorm in training mode (its output and backward use the batch statistics; only the
         running-statistics outputs differ, and they are applied once); said once otherwise."""
@@ -180,12 +217,12 @@ class _JointRun(RunBase):
                 log.warning("joint executor: recomputing %s reads buffer %s after this step updated it; the "
                             "recomputation sees the updated value", n.name, self.prog.cap.placeholders[hit[0]][1])
 
-    def _apply_sink(self, value: torch.Tensor, what: str, fqn: str, stealable: bool) -> None:
+    def apply_sink(self, value: torch.Tensor, what: str, fqn: str, stealable: bool) -> None:
         if what == "buffer":
-            self.model.get_buffer(fqn).copy_(value)
+            self.state[fqn].copy_(value)
             self.updated.add(fqn)
             return
-        p = self.model.get_parameter(fqn)
+        p = self.state[fqn]
         if p.grad is not None:
             p.grad.add_(value)       # autograd's accumulation: in place into the existing gradient
         elif steals_gradient(value, p, stealable):

@@ -147,6 +147,14 @@ class RunBase:
             raise RuntimeError(f"remat.apply: unknown op {op.op!r}")
         handler(op.node)
 
+    def forward_ops(self) -> None:
+        """Perform the step's ops up to the loss's compute (an executor may run them its own way)."""
+        run_ops(self, self.step._fwd_ops)
+
+    def backward_ops(self) -> None:
+        """Perform the step's ops after the loss's compute."""
+        run_ops(self, self.step._bwd_ops, len(self.step._fwd_ops))
+
     def end(self) -> None:
         self.host.clear()
         self.pending.clear()
@@ -165,11 +173,11 @@ def run_ops(run: Any, ops: list, first: int = 0) -> None:
 class Step(torch.autograd.Function):
     """A whole planned step as one autograd node: its forward performs the plan's ops up to the
     loss, its backward the rest.  `run` (a `_Run`, or the joint executor's) provides
-    ``run_op``, ``loss_value``, ``start_backward(grad_loss)`` and ``end()``."""
+    ``forward_ops()``, ``backward_ops()``, ``loss_value``, ``start_backward(grad_loss)`` and ``end()``."""
 
     @staticmethod
     def forward(ctx, run: Any, *params):
-        run_ops(run, run.step._fwd_ops)
+        run.forward_ops()
         ctx.run = run
         return run.loss_value.detach()
 
@@ -178,7 +186,7 @@ class Step(torch.autograd.Function):
         run = ctx.run
         ctx.run = None
         run.start_backward(grad_loss)
-        run_ops(run, run.step._bwd_ops, len(run.step._fwd_ops))
+        run.backward_ops()
         run.end()
         return (None,) * len(ctx.needs_input_grad)
 

@@ -218,6 +218,41 @@ def test_measured_peak_is_the_predicted_peak(planned):
     assert plans["swap"].predicted["host_peak_bytes"] > 0, name
 
 
+def test_straight_line_code_runs_what_the_interpreter_runs(planned):
+    """The plan written as Python (`joint_codegen`) against the op-by-op interpreter: same loss,
+    bit-identical gradients and statistics, the same measured peak and host bytes."""
+    name, model, inputs, _, plans = planned
+    for budget in ("1.0x", "tightest", "swap"):
+        got = {}
+        for straight in (True, False):
+            mine = copy.deepcopy(model)
+            step = apply(mine, plans[budget], inputs)
+            assert step.code is not None and step.interpreted_because is None, (name, budget)
+            step.straight_line = straight
+            torch.manual_seed(3)
+            peak = measure_peak(lambda: step(*inputs).backward(),
+                                resident=list(mine.parameters()) + list(mine.buffers()) + list(inputs))
+            got[straight] = (peak, step.host_peak_bytes, [p.grad for p in mine.parameters()], list(mine.buffers()))
+        assert got[True][:2] == got[False][:2], (name, budget, got[True][:2], got[False][:2])
+        for a, b in zip(got[True][2] + got[True][3], got[False][2] + got[False][3]):
+            assert torch.equal(a, b), (name, budget)
+    assert any(o.op == "swap_in" for o in plans["swap"].schedule.ops), name
+
+
+def test_straight_line_code_is_refused_for_a_plan_that_reads_a_freed_value(small_graph):
+    model, inputs, g = small_graph
+    plan = remat.plan(g, "1.0x", solver="checkpoint-all", swap=False)
+    ops = list(plan.schedule.ops)
+    # free the first forward node right after its compute: a later node reads it
+    k = next(k for k, o in enumerate(ops) if o.op == "compute" and g.nodes[o.node].kind == "forward")
+    broken = Plan(g, Schedule(ops[:k + 1] + [Op("free", ops[k].node)] + ops[k + 1:]), plan.budget_bytes,
+                  plan.solver, plan.predicted)
+    step = apply(copy.deepcopy(model), broken, inputs)
+    assert step.code is None and "not resident" in step.interpreted_because
+    with pytest.raises(RuntimeError, match="not resident"):   # the interpreter says where, at run time
+        step(*inputs).backward()
+
+
 def test_gradients_accumulate_and_the_loss_gradient_is_honoured():
     model, inputs = _cnn()
     graph = remat.trace(model, inputs, granularity="joint", profile="flops")
