@@ -3,7 +3,9 @@
 (``remat.apply(model, plan, executor="native")``: the model's own code with hooks), side by side
 in one run (CPU; on CUDA the same script, with `max_memory_allocated`).
 
-For each case, module-level trace (depth auto: the repeated blocks), no swap:
+For each case, module-level trace (depth auto: the repeated blocks), no swap (``--granularity
+joint``: the joint graph, plans of the unrestricted class, run by the joint executor as
+straight-line code, ``code``, and op by op, ``interpreter``):
 * ``1.0x``: the plan that keeps everything, run by both executors (what running a plan costs
   when it saves nothing);
 * ``0.5x`` / ``0.3x``: native plans (``remat.plan(..., executor="native")``) at that fraction of
@@ -18,6 +20,7 @@ plain autograd's (max abs difference).  Figures are ratios to plain autograd in 
     python benchmarks/executor_speed.py                       # gpt2, hf-gpt2, resnet50
     python benchmarks/executor_speed.py --cases gpt2-124m --steps 5   # transformers' GPT-2 small, batch 2, seq 256
     python benchmarks/executor_speed.py --cases gpt2 --steps 9
+    python benchmarks/executor_speed.py --granularity joint   # op-level plans: straight-line code against the interpreter
 """
 from __future__ import annotations
 
@@ -59,12 +62,12 @@ COLUMNS = ("case", "nodes", "variant", "executor", "budget_bytes", "predicted_pe
            "predicted_overhead", "step_s", "time_over_plain", "max_grad_diff", "recomputed", "note")
 
 
-def native_plan(graph, fraction: float, time_limit: float):
+def fraction_plan(graph, fraction: float, time_limit: float, executor: str = "native"):
     low = forced_need(graph)
     full = remat.plan(graph, "1.0x", solver="checkpoint-all").predicted["peak_bytes"]
     for f in (fraction, fraction + 0.1, fraction + 0.2, fraction + 0.3):
         try:
-            return remat.plan(graph, int(low + f * (full - low)), swap=False, time_limit=time_limit, executor="native")
+            return remat.plan(graph, int(low + f * (full - low)), swap=False, time_limit=time_limit, executor=executor)
         except InfeasibleBudgetError:
             continue
     return None
@@ -77,6 +80,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=20.0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--granularity", choices=("module", "joint"), default="module",
+                    help="joint: op-level plans, run as straight-line code and by the interpreter")
     ap.add_argument("--out", default="benchmarks/out/executor_speed.csv")
     args = ap.parse_args(argv)
     if args.threads:
@@ -90,17 +95,20 @@ def main(argv=None) -> int:
             model.config.use_cache = False   # (a training loop's setting; a cache returned is held to the step's end)
         model.to(device).train()
         example = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example)
-        graph = remat.trace(model, example, loss_fn=loss_fn, granularity="module", progress=False)
+        joint = args.granularity == "joint"
+        graph = remat.trace(model, example, loss_fn=loss_fn, granularity=args.granularity, progress=False)
         plans = {"1.0x": remat.plan(graph, "1.0x", swap=False, time_limit=args.time_limit)}
         for f in (0.5, 0.3):
-            p = native_plan(graph, f, args.time_limit)
+            p = fraction_plan(graph, f, args.time_limit, "any" if joint else "native")
             if p is not None:
                 plans[f"{f}x"] = p
         variants = {"plain": (copy.deepcopy(model), None, None)}
         for label, plan in plans.items():
-            for executor in ("interpreter", "native"):
+            for executor in (("interpreter", "code") if joint else ("interpreter", "native")):
                 m = copy.deepcopy(model)
-                ex = remat.apply(m, plan, example, loss_fn, executor=executor)
+                ex = remat.apply(m, plan, example, loss_fn, executor="native" if executor == "native" else "interpreter")
+                if joint:   # the joint executor: the plan as straight-line code, or op by op
+                    ex.straight_line = executor == "code"
                 variants[f"{executor} {label}"] = (m, ex, plan)
 
         def step(name: str, batch: tuple) -> torch.Tensor:
