@@ -73,7 +73,7 @@ class _Writer:
     def __init__(self, prog: Any, index: dict, state: dict):
         self.prog, self.index, self.state = prog, index, state
         self.code = _Code()
-        self.used_static: set = set()
+        self.used_static: dict = {}   # (a dict: the code's lines in a fixed order)
         self.nodes: list = []       # the fx nodes the code names (as dict keys), global N
         self.node_at: dict = {}
         self.code.globals["N"] = self.nodes
@@ -111,7 +111,7 @@ class _Writer:
         """The variable of a value read by an op of another node: it must be resident."""
         g = self.prog.group_of[n]
         if g == STATIC:
-            self.used_static.add(n)
+            self.used_static[n] = None
             return self.var(n)
         if n not in self.state["resident"].get(g, ()):
             raise Unsupported(f"{n.name} (a value of node {g}) is read while not resident")
