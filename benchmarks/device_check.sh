@@ -9,14 +9,15 @@
 #   3. benchmarks/gpu_swap_timeline.py (the swap test's plans op by op),
 #   4. benchmarks/gpu_check.py --timeline (plans on CUDA against max_memory_allocated, step times,
 #      and op-by-op bytes), then again at batch 256 (gpu_check_big.csv: step times with larger kernels),
-#   5. benchmarks/executor_speed.py on CUDA (native execution against the interpreter and plain),
+#   5. benchmarks/executor_speed.py on CUDA (native execution against the interpreter and plain), and
+#      with --granularity joint (op-level plans as straight-line code against the interpreter and plain),
 #   6. the default suite on 14 workers, to see what differs with a GPU present,
 #   7. with T_COMPILED > 0 (default 0: the files that come back are 8 at most), remat.compiler against
 #      torch.compile's activation_memory_budget on CUDA (benchmarks/peers.py --case mlp, inductor).
-# Every part has its own time cap (T_TESTS, T_SWAP, T_CHECK, T_BIG, T_NATIVE, T_SUITE seconds; 0
-# skips the swap timeline, the large batch, the native comparison or the suite); the log is device.log, figures beside it, in $OUT
+# Every part has its own time cap (T_TESTS, T_SWAP, T_CHECK, T_BIG, T_NATIVE, T_JOINT, T_SUITE seconds; 0
+# skips the swap timeline, the large batch, the native or joint comparison or the suite); the log is device.log, figures beside it, in $OUT
 # (default benchmarks/out/device): at most 8 files, what the device tool brings back.
-# The defaults add up to about 8.5 minutes with the install: within one device call of 10.
+# The defaults add up to about 9 minutes with the install (the large batch off): within one device call of 10.
 set -u
 OUT=${OUT:-benchmarks/out/device}
 mkdir -p "$OUT"
@@ -24,9 +25,10 @@ export PYTHONUNBUFFERED=1
 T_TESTS=${T_TESTS:-90}
 T_SWAP=${T_SWAP:-90}
 T_CHECK=${T_CHECK:-120}
-T_BIG=${T_BIG:-60}
+T_BIG=${T_BIG:-0}
 T_SUITE=${T_SUITE:-40}
 T_NATIVE=${T_NATIVE:-90}
+T_JOINT=${T_JOINT:-90}
 T_COMPILED=${T_COMPILED:-0}
 start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
@@ -49,6 +51,12 @@ if [ "$T_NATIVE" -gt 0 ]; then
 stamp "native against the interpreter and plain autograd (short GPU steps)"
 timeout "$T_NATIVE" python3 benchmarks/executor_speed.py --device cuda --cases gpt2,resnet50 --steps 9 \
   --out "$OUT/executor_speed_cuda.csv" 2>&1 | tee -a "$OUT/device.log"
+fi
+
+if [ "$T_JOINT" -gt 0 ]; then
+stamp "op-level plans: straight-line code against the interpreter and plain autograd"
+timeout "$T_JOINT" python3 benchmarks/executor_speed.py --device cuda --granularity joint --cases gpt2,resnet50 \
+  --steps 9 --time-limit 10 --out "$OUT/executor_speed_joint_cuda.csv" 2>&1 | tee -a "$OUT/device.log"
 fi
 
 if [ "$T_SWAP" -gt 0 ]; then
