@@ -10,9 +10,11 @@ autograd's gradient accumulation does.  Buffers (BatchNorm running statistics) a
 How: the model's joint graph is captured again (aot_export_module, as `trace_joint` did; nothing
 is pickled) and cut into the plan's nodes by the fx op names each node lists (``extra["ops"]``);
 the plan must match (model fingerprint, input shapes, op names), else `InvalidInputError`
-(re-plan).  The whole step is one ``torch.autograd.Function``: its forward interprets the
-plan's ops up to and including ``compute loss``, its backward the rest.  No autograd graph is
-built: every ATen op runs under ``torch.no_grad()`` on values held in an environment:
+(re-plan).  The whole step is one ``torch.autograd.Function``: its forward performs the plan's
+ops up to and including ``compute loss``, its backward the rest, as straight-line Python written
+once per plan (`joint_codegen`), or op by op by this module's interpreter where the generator
+refuses the plan, for steps with an ``on_op`` probe, and with ``straight_line = False`` (the two
+hold the same values at every op).  No autograd graph is built: every ATen op runs under ``torch.no_grad()`` on values held in an environment:
 
 * ``compute i``: run node i's ATen ops on its inputs' values (which must be resident) and
   keep the values other nodes read; a recomputation runs them again, random nodes with the RNG
