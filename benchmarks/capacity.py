@@ -5,7 +5,8 @@ granularity `remat.trace` picks by default unless the case names one), plain aut
 ``torch.utils.checkpoint`` on every block are measured at those sizes (exact storage accounting
 on the CPU, median of 3 steps) and their peaks extrapolated to the largest batch that fits; remat
 searches the largest batch per overhead level (no recomputation, <= 1.1x, <= 1.3x, and <= the
-step-time ratio checkpointing measured, so the two are compared at the same overhead).  remat's
+step-time ratio checkpointing measured at its own answer, in turns with plain autograd at that
+batch, so the two are compared at the same overhead).  remat's
 answer at the largest level is traced at its size, planned and run for `--steps` steps: the
 measured peak must be within the memory; the measured step time is set against plain autograd's
 at the same batch.  Figures are ratios: remat's batch over plain's and over checkpointing's.
@@ -21,11 +22,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from csvout import steady_malloc, write_csv  # noqa: E402
+from csvout import steady_malloc, time_in_turns, write_csv  # noqa: E402
 
 import remat  # noqa: E402
 from remat.core.units import format_bytes  # noqa: E402
 from remat.frontends import zoo  # noqa: E402
+from remat.frontends.base import default_loss, step_loss  # noqa: E402
+from remat.frontends.checkpointing import block_names, checkpoint_every_block  # noqa: E402
 from remat.sizes import search  # noqa: E402
 
 # name -> (zoo model, zoo settings without the batch, memory, capacity options)
@@ -36,9 +39,23 @@ CASES = {
     "resnet50-op": ("resnet50", {}, "24MiB", {"granularity": "joint"}),   # op level: each tensor on its own
 }
 COLUMNS = ("case", "memory", "granularity", "nodes", "plain_batch", "plain_predicted_batch", "ckpt_batch",
-           "ckpt_time_ratio", "remat_no_recompute", "remat_1.1x", "remat_1.3x", "remat_at_ckpt_ratio",
+           "ckpt_time_ratio", "ckpt_time_ratio_traced", "remat_no_recompute", "remat_1.1x", "remat_1.3x", "remat_at_ckpt_ratio",
            "remat_at_ckpt_ratio_proven", "verified_batch", "verified_peak", "verified_predicted_peak",
            "verified_predicted_overhead", "verified_time_ratio", "remat_over_plain", "remat_over_ckpt_same_overhead")
+
+
+def ckpt_ratio_at(make, size: int, rounds: int) -> float:
+    """checkpoint-every-block's step time over plain autograd's at batch `size` (its answer), the
+    two taking turns step by step (on the CPU plain runs past the memory; only its time is used)."""
+    plain, inputs = make(size)
+    ckpt = checkpoint_every_block(plain, block_names(plain))   # (a copy)
+
+    def step(model) -> None:
+        for p in model.parameters():
+            p.grad = None
+        step_loss(model, default_loss, inputs).backward()
+    t = time_in_turns({"plain": lambda: step(plain), "ckpt": lambda: step(ckpt)}, rounds)
+    return t["ckpt"] / t["plain"]
 
 
 def run_case(case: str, steps: int, time_limit: float) -> dict:
@@ -54,14 +71,15 @@ def run_case(case: str, steps: int, time_limit: float) -> dict:
     res, fam = rep.result, rep.family
     plain, ckpt = rep.peers
     top = max(ckpt.times)
-    ratio = ckpt.times[top] / plain.times[top]
+    traced_ratio = ckpt.times[top] / plain.times[top]   # (at the largest traced batch: small steps)
+    ratio = ckpt_ratio_at(make, ckpt.size, max(steps, 5)) if ckpt.size else traced_ratio
     at_ckpt = search(fam, res.memory, [ratio], swap=bool(opts.get("swap")), time_limit=time_limit).levels[0]
     v = rep.verification
     g = fam.graphs[fam.sizes[0]]
     levels = {round(a.level, 6): a.size for a in res.levels}
     return {"case": case, "memory": res.memory, "granularity": g.meta.get("granularity"), "nodes": g.n,
             "plain_batch": plain.size, "plain_predicted_batch": res.plain_size, "ckpt_batch": ckpt.size,
-            "ckpt_time_ratio": round(ratio, 3), "remat_no_recompute": levels.get(1.0), "remat_1.1x": levels.get(1.1),
+            "ckpt_time_ratio": round(ratio, 3), "ckpt_time_ratio_traced": round(traced_ratio, 3), "remat_no_recompute": levels.get(1.0), "remat_1.1x": levels.get(1.1),
             "remat_1.3x": levels.get(1.3), "remat_at_ckpt_ratio": at_ckpt.size,
             "remat_at_ckpt_ratio_proven": at_ckpt.proven, "verified_batch": v.size if v else None,
             "verified_peak": v.measured_bytes if v else None,
