@@ -23,12 +23,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from csvout import steady_malloc, time_in_turns, write_csv  # noqa: E402
+from vs_checkpoint import turns  # noqa: E402  (the same steps)
 
 import remat  # noqa: E402
 from remat.core.units import format_bytes  # noqa: E402
 from remat.frontends import zoo  # noqa: E402
-from remat.frontends.base import default_loss, step_loss  # noqa: E402
-from remat.frontends.checkpointing import block_names, checkpoint_every_block  # noqa: E402
+from remat.frontends.base import default_loss  # noqa: E402
 from remat.sizes import search  # noqa: E402
 
 # name -> (zoo model, zoo settings without the batch, memory, capacity options)
@@ -39,23 +39,18 @@ CASES = {
     "resnet50-op": ("resnet50", {}, "24MiB", {"granularity": "joint"}),   # op level: each tensor on its own
 }
 COLUMNS = ("case", "memory", "granularity", "nodes", "plain_batch", "plain_predicted_batch", "ckpt_batch",
-           "ckpt_time_ratio", "ckpt_time_ratio_traced", "remat_no_recompute", "remat_1.1x", "remat_1.3x", "remat_at_ckpt_ratio",
-           "remat_at_ckpt_ratio_proven", "verified_batch", "verified_peak", "verified_predicted_peak",
-           "verified_predicted_overhead", "verified_time_ratio", "remat_over_plain", "remat_over_ckpt_same_overhead")
+           "ckpt_time_ratio", "ckpt_time_ratio_traced", "remat_no_recompute", "remat_1.1x", "remat_1.3x",
+           "remat_at_ckpt_ratio", "remat_at_ckpt_ratio_proven", "verified_batch", "verified_peak",
+           "verified_predicted_peak", "verified_predicted_overhead", "verified_time_ratio", "remat_over_plain",
+           "remat_over_ckpt_same_overhead")
 
 
 def ckpt_ratio_at(make, size: int, rounds: int) -> float:
     """checkpoint-every-block's step time over plain autograd's at batch `size` (its answer), the
     two taking turns step by step (on the CPU plain runs past the memory; only its time is used)."""
-    plain, inputs = make(size)
-    ckpt = checkpoint_every_block(plain, block_names(plain))   # (a copy)
-
-    def step(model) -> None:
-        for p in model.parameters():
-            p.grad = None
-        step_loss(model, default_loss, inputs).backward()
-    t = time_in_turns({"plain": lambda: step(plain), "ckpt": lambda: step(ckpt)}, rounds)
-    return t["ckpt"] / t["plain"]
+    model, inputs = make(size)
+    t = time_in_turns(turns(model, inputs, default_loss, {}), rounds)
+    return t["checkpoint every block"] / t["plain"]
 
 
 def run_case(case: str, steps: int, time_limit: float) -> dict:
@@ -79,7 +74,8 @@ def run_case(case: str, steps: int, time_limit: float) -> dict:
     levels = {round(a.level, 6): a.size for a in res.levels}
     return {"case": case, "memory": res.memory, "granularity": g.meta.get("granularity"), "nodes": g.n,
             "plain_batch": plain.size, "plain_predicted_batch": res.plain_size, "ckpt_batch": ckpt.size,
-            "ckpt_time_ratio": round(ratio, 3), "ckpt_time_ratio_traced": round(traced_ratio, 3), "remat_no_recompute": levels.get(1.0), "remat_1.1x": levels.get(1.1),
+            "ckpt_time_ratio": round(ratio, 3), "ckpt_time_ratio_traced": round(traced_ratio, 3),
+            "remat_no_recompute": levels.get(1.0), "remat_1.1x": levels.get(1.1),
             "remat_1.3x": levels.get(1.3), "remat_at_ckpt_ratio": at_ckpt.size,
             "remat_at_ckpt_ratio_proven": at_ckpt.proven, "verified_batch": v.size if v else None,
             "verified_peak": v.measured_bytes if v else None,

@@ -20,7 +20,7 @@ plain autograd's (max abs difference).  Figures are ratios to plain autograd in 
     python benchmarks/executor_speed.py                       # gpt2, hf-gpt2, resnet50
     python benchmarks/executor_speed.py --cases gpt2-124m --steps 5   # transformers' GPT-2 small, batch 2, seq 256
     python benchmarks/executor_speed.py --cases gpt2 --steps 9
-    python benchmarks/executor_speed.py --granularity joint   # op-level plans: straight-line code against the interpreter
+    python benchmarks/executor_speed.py --granularity joint   # op-level plans: generated code against the interpreter
 """
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ def main(argv=None) -> int:
         for label, plan in plans.items():
             for executor in (("interpreter", "code") if joint else ("interpreter", "native")):
                 m = copy.deepcopy(model)
-                ex = remat.apply(m, plan, example, loss_fn, executor="native" if executor == "native" else "interpreter")
+                ex = remat.apply(m, plan, example, loss_fn,
+                                 executor="native" if executor == "native" else "interpreter")
                 if joint:   # the joint executor: the plan as straight-line code, or op by op
                     ex.straight_line = executor == "code"
                 variants[f"{executor} {label}"] = (m, ex, plan)

@@ -14,7 +14,8 @@ the plan must match (model fingerprint, input shapes, op names), else `InvalidIn
 ops up to and including ``compute loss``, its backward the rest, as straight-line Python written
 once per plan (`joint_codegen`), or op by op by this module's interpreter where the generator
 refuses the plan, for steps with an ``on_op`` probe, and with ``straight_line = False`` (the two
-hold the same values at every op).  No autograd graph is built: every ATen op runs under ``torch.no_grad()`` on values held in an environment:
+hold the same values at every op).  No autograd graph is built: every ATen op runs under
+``torch.no_grad()`` on values held in an environment:
 
 * ``compute i``: run node i's ATen ops on its inputs' values (which must be resident) and
   keep the values other nodes read; a recomputation runs them again, random nodes with the RNG
