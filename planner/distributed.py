@@ -28,6 +28,11 @@ mesh dimension of 2: an all-gather sends its input, a reduce-scatter half its in
 all-reduce its input, an all-to-all half its input), the measure the plan's ``comm_bytes``
 predicts (summed over ranks, `tofu.mesh_comm`).
 
+A training batch norm split along its batch (or space) runs with its statistics synchronised
+(`synced_batch_norm`, SyncBatchNorm's arithmetic: the per-channel sums all-reduced along the mesh
+dimensions that split it, twice in the forward and once in the backward), so every device
+normalises by the whole batch's statistics and updates the running ones as one process does.
+
 Ops whose shape arguments describe the whole tensor (``view``, ``reshape``, ``expand``) get
 their local shape.  Random ops (dropout) draw on each rank's own generator: their masks differ
 from one process's, so a model with dropout does not give one process's gradients (use
@@ -111,6 +116,84 @@ class CommCounter(TorchDispatchMode):
                 self.bytes += sent
                 self.calls[name] = self.calls.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+def _all_reduce(t: torch.Tensor, mesh: Any, dims: list) -> torch.Tensor:
+    """The sum of `t` over the devices along mesh dimensions `dims` (functional collectives,
+    which `CommCounter` sees)."""
+    from torch.distributed import _functional_collectives as funcol
+    for d in dims:
+        t = funcol.wait_tensor(funcol.all_reduce(t, "sum", (mesh, d)))
+    return t
+
+
+class _SyncedBatchNorm(torch.autograd.Function):
+    """Training batch norm of a part of the batch with the statistics of the whole (the sums
+    all-reduced along `dims`): returns (output, mean, biased variance); its backward all-reduces
+    the sums of the output's gradient and of its product with the normalised input, and gives the
+    weight's and bias's gradients as this device's summands."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, mesh, dims):
+        over = [0] + list(range(2, x.dim()))
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        count = x.numel() // x.shape[1] * 2 ** len(dims)
+        mean = _all_reduce(x.sum(over), mesh, dims) / count
+        centred = x - mean.view(shape)
+        var = _all_reduce(centred.square().sum(over), mesh, dims) / count
+        invstd = torch.rsqrt(var + eps)
+        out = centred * invstd.view(shape)
+        if weight is not None:
+            out = out * weight.view(shape)
+        if bias is not None:
+            out = out + bias.view(shape)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.mesh, ctx.dims, ctx.count, ctx.has_bias = mesh, dims, count, bias is not None
+        return out, mean, var
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dvar):
+        x, weight, mean, invstd = ctx.saved_tensors
+        over = [0] + list(range(2, x.dim()))
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        xhat = (x - mean.view(shape)) * invstd.view(shape)
+        sum_dy, sum_dy_xhat = dy.sum(over), (dy * xhat).sum(over)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            both = _all_reduce(torch.stack([sum_dy, sum_dy_xhat]), ctx.mesh, ctx.dims) / ctx.count
+            scale = invstd if weight is None else invstd * weight
+            dx = (dy - both[0].view(shape) - xhat * both[1].view(shape)) * scale.view(shape)
+        dw = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None
+        db = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None
+
+
+def synced_batch_norm(target: Any, args: tuple, kwargs: dict, mesh: Any, dims: list) -> Any:
+    """ATen's training batch norm `target` (``batch_norm``, ``native_batch_norm``,
+    ``_native_batch_norm_legit[_functional]``) on this device's part of the batch, with the whole
+    batch's statistics (`_SyncedBatchNorm`): the op's own outputs, the running statistics updated
+    in place (returned, for the functional form) with the whole batch's mean and unbiased variance."""
+    schema = target._schema.arguments
+    bound = list(args) + [kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+                          for a in schema[len(args):]]
+    values = dict(zip((a.name for a in schema), bound))
+    x, weight, bias = values["input"], values.get("weight"), values.get("bias")
+    rm, rv = values.get("running_mean"), values.get("running_var")
+    momentum, eps = values["momentum"], values["eps"]
+    out, mean, var = _SyncedBatchNorm.apply(x, weight, bias, eps, mesh, dims)
+    n = x.numel() // x.shape[1] * 2 ** len(dims)
+    name = target._overloadpacket.__name__
+    new = []
+    if rm is not None:
+        with torch.no_grad():
+            new = [rm * (1 - momentum) + mean * momentum, rv * (1 - momentum) + var * (n / max(n - 1, 1)) * momentum]
+            if name != "_native_batch_norm_legit_functional":
+                rm.copy_(new[0])
+                rv.copy_(new[1])
+    if name == "batch_norm":
+        return out
+    stats = (mean.detach(), torch.rsqrt(var.detach() + eps))
+    return (out, *stats, *new) if name == "_native_batch_norm_legit_functional" else (out, *stats)
 
 
 class PartitionedStep:
@@ -206,8 +289,10 @@ class PartitionedStep:
                     if made.kind == "shard":
                         shape[made.dim] //= 2
                 args = (args[0], shape) + tuple(args[2:])
+            synced = [d for d, s in enumerate(strats) if s is not tofu.REPLICATED and s.sync]
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                out = node.target(*args, **kwargs)
+                out = (synced_batch_norm(node.target, args, kwargs, self.mesh, synced) if synced
+                       else node.target(*args, **kwargs))
             for j, t in enumerate(op.outputs):
                 value = out[cap.tensor_nodes[t].args[1]] if isinstance(out, (list, tuple)) else out
                 made = tuple(_dt(tofu.placed(s, "out", j)) for s in strats)

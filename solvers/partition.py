@@ -19,7 +19,12 @@ along one index is one *strategy*:
   others (`PARTIAL`: its shards sum to it), and each device's output is a partial sum (`PARTIAL`)
   that an all-reduce (or a reduce-scatter) makes whole;
 * an index the op couples across (a softmax's or a layer norm's normalised dimension, a
-  convolution's window, attention's keys): no strategy along it (`OpRule.fixed`, with the reason).
+  convolution's window, attention's keys): no strategy along it (`OpRule.fixed`, with the reason);
+* an index the op's *statistics* are taken over (training batch norm's batch and space,
+  `OpRule.synced`): split with the statistics synchronised, as `SyncBatchNorm` does: each device
+  sums its part, an all-reduce of the per-channel sums (letters `OpRule.stats`) makes them whole,
+  twice in the forward (the mean, then the variance about it) and once, of two vectors, in the
+  backward (`Strategy.sync`: the statistics' letters; the search adds the all-reduces' bytes).
 
 Memory per device: a split tensor's bytes / k, a replicated or partial one's whole bytes.
 Communication between placements (`redistribute_bytes`), per device, ring algorithms over k
@@ -61,10 +66,13 @@ PARTIAL = Placement("partial")
 class OpRule:
     """One op's description: `spec` in index notation (inputs, comma-separated, ``->`` outputs);
     `fixed`: {index: why it cannot be split}; `added`: positions of inputs added to the result
-    (biases), which go partial where a summed index is split."""
+    (biases), which go partial where a summed index is split; `synced`: indices that split with
+    the op's statistics (letters `stats`) all-reduced (module docstring)."""
     spec: str
     fixed: tuple = ()
     added: tuple = ()
+    synced: tuple = ()
+    stats: str = ""
 
     @property
     def inputs(self) -> list[str]:
@@ -86,11 +94,13 @@ class OpRule:
 
 @dataclass(frozen=True)
 class Strategy:
-    """The op split along `index`: each input's and output's placement, and whether the output
-    needs a reduction (`partial`) to be whole."""
+    """The op split along `index`: each input's and output's placement, whether the output
+    needs a reduction (`partial`) to be whole, and `sync`: the letters of the statistics the split
+    all-reduces (empty for most ops)."""
     index: str
     inputs: tuple
     outputs: tuple
+    sync: str = ""
 
     @property
     def partial(self) -> bool:
@@ -115,7 +125,7 @@ def strategies(rule: OpRule) -> list[Strategy]:
             else:
                 ins.append(REPLICATE)
         outs = tuple(Shard(t.index(c)) if c in t else (PARTIAL if summed else REPLICATE) for t in rule.outputs)
-        out.append(Strategy(c, tuple(ins), outs))
+        out.append(Strategy(c, tuple(ins), outs, rule.stats if c in rule.synced else ""))
     return out
 
 
@@ -163,8 +173,7 @@ RULES: dict[str, OpRule] = {
     "sum": OpRule("bsf->bs"),
     "softmax": OpRule("bsf->bsf", fixed=(("f", _NORM),)),
     "layer_norm": OpRule("bsf,f,f->bsf", fixed=(("f", _NORM),)),
-    "batch_norm": OpRule("bchw,c,c->bchw", fixed=(("b", "training statistics are over the batch and space"),
-                                                  ("h", _NORM), ("w", _NORM))),
+    "batch_norm": OpRule("bchw,c,c->bchw", synced=("b", "h", "w"), stats="c"),
     "embedding": OpRule("ve,bs->bse", fixed=(("v", "a vocabulary split needs a masked lookup (not modelled)"),)),
     "scaled_dot_product_attention": OpRule("bhld,bhmd,bhmd->bhld", fixed=(
         ("m", "the softmax over the keys couples them (ring attention not modelled)"),
@@ -422,9 +431,14 @@ def rule_for(op: str, ins: list, outs: list, args: tuple = ()) -> OpRule:
             x = ins[0]
             b, c = fresh(2)
             sp = fresh(len(x) - 2)
-            fixed = [(b, "training statistics are over the batch and space")] + [(s, _NORM) for s in sp]
             letters = [b + c + sp] + [c] * (len(ins) - 1)
-            return spec(letters, [b + c + sp] + [c if len(s) == 1 else fresh(len(s)) for s in outs[1:]], fixed)
+            outs_ = [b + c + sp] + [c if len(s) == 1 else fresh(len(s)) for s in outs[1:]]
+            no_stats = op == "_native_batch_norm_legit" and len(args) == 6   # (its .no_stats overload)
+            training = op != "_native_batch_norm_legit_no_training" and bool(arg(3 if no_stats else 5, True))
+            # training: the statistics are over the batch and space (synchronised where split);
+            # evaluation: running statistics, an elementwise op
+            return OpRule(",".join(letters) + "->" + ",".join(outs_), (), (),
+                          (b,) + tuple(sp) if training else (), c if training else "")
         if op in ("max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_pool2d"):
             x = ins[0]
             b, c = fresh(2)

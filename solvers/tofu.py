@@ -18,7 +18,9 @@ strategy s, its inputs placed P_i and its outputs P_o:
   as s.in_i where that is a shard, as partial sums where the input was whole under a split, whole
   under a replicated run) converted to P_i; a parameter is converted P_i -> s.in_i again for the
   backward (FSDP's second gather: the gathered copy is not kept), an activation's converted copy
-  is kept from the forward.
+  is kept from the forward;
+* a split with synchronised statistics (training batch norm along its batch, `Strategy.sync`):
+  the all-reduces of its per-channel sums (`sync_costs`).
 
 **The search** (`cut`): a dynamic program over the ops in order whose state is the placement of
 every tensor still to be read (the frontier).  It is exact (the minimum of the cost above) while
@@ -242,6 +244,27 @@ def output_costs(g: OpGraph, op: OpInfo, s: Strategy, j: int, p: Placement, nbyt
     return comm, (0 if op.op in VIEWS else _per_device(p, nbytes))
 
 
+def sync_costs(g: OpGraph, op: OpInfo, s: Strategy, shapes: dict) -> int:
+    """Bytes across a 2-way cut of the all-reduces of a split with synchronised statistics
+    (`Strategy.sync`: training batch norm split along its batch or space): two of the statistics
+    in the forward (the sum, then the squares about the mean), one of two such vectors in the
+    backward where the input has a gradient; 0 for every other strategy."""
+    if s is REPLICATED or not s.sync:
+        return 0
+    return _sync_reduces(g, op) * conversion(PARTIAL, REPLICATE, _stats_bytes(g, op, s, shapes[op.inputs[0]]))
+
+
+def _sync_reduces(g: OpGraph, op: OpInfo) -> int:
+    """The all-reduces of one statistics vector a synchronised split runs (`sync_costs`)."""
+    return 2 + (2 if g.tensors[op.inputs[0]].grad else 0)
+
+
+def _stats_bytes(g: OpGraph, op: OpInfo, s: Strategy, x_shape: tuple) -> int:
+    """Bytes of one statistics vector of `op` split by `s`, its input 0 being `x_shape`."""
+    letters = rule(g, op).inputs[0]
+    return math.prod(x_shape[letters.index(c)] for c in s.sync) * g.tensors[op.inputs[0]].itemsize
+
+
 def _per_device(p: Placement, nbytes: int) -> int:
     return -(-nbytes // 2) if p.kind == "shard" else nbytes
 
@@ -332,12 +355,12 @@ def cut(g: OpGraph, shapes: dict, lam: float = 0.0, allowed: dict | None = None,
                 chosen = tuple((t, o[0]) for t, o in zip(new, combo))
                 combos.append((sum(o[1] for o in combo), sum(o[2] for o in combo),
                                tuple(o[0] for t, o in zip(new, combo) if last[t] > idx), (s, chosen)))
-            plans.append((table, combos))
+            plans.append((table, combos, sync_costs(g, op, s, shapes)))
         nxt: dict = {}
         for key, (obj, comm, mem, back) in states.items():
             kept = tuple(key[k] for k in keep)
-            for table, combos in plans:
-                bc = bm = 0
+            for table, combos, sync in plans:
+                bc, bm = sync, 0
                 for i, k, costs in table:
                     c, m = costs[key[k]]
                     bc += c
@@ -371,7 +394,7 @@ def cut(g: OpGraph, shapes: dict, lam: float = 0.0, allowed: dict | None = None,
 
 def op_cost(g: OpGraph, shapes: dict, op: OpInfo, s: Strategy, placement: dict) -> int:
     """Communicated bytes of `op` run with strategy `s`, its tensors placed by `placement`."""
-    total = 0
+    total = sync_costs(g, op, s, shapes)
     for i, t in enumerate(op.inputs):
         nb = math.prod(shapes[t]) * g.tensors[t].itemsize
         if g.tensors[t].kind == "input" and placement[t] == placed(s, "in", i):
@@ -460,8 +483,14 @@ def mesh_comm(g: OpGraph, sp: Split, device_type: str = "cuda") -> int:
     on every device pair of the other levels, which Tofu's recursion (a group as one worker)
     does not."""
     total = 0
+    m = len(sp.levels)
     for op in g.ops:
         strats = sp.strategy[op.id]
+        for s in strats:           # synchronised statistics: all-reduced along that mesh dimension
+            if s is not REPLICATED and s.sync:
+                x = local_shape(g.tensors[op.inputs[0]].shape, [placed(s2, "in", 0) for s2 in strats])
+                total += 2 ** (m - 1) * _sync_reduces(g, op) * conversion(PARTIAL, REPLICATE,
+                                                                           _stats_bytes(g, op, s, x))
         for i, t in enumerate(op.inputs):
             info = g.tensors[t]
             want = tuple(placed(s, "in", i) for s in strats)

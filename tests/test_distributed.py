@@ -39,6 +39,21 @@ class CNN(torch.nn.Module):
         return self.head(x.flatten(1))
 
 
+class CNNBN(torch.nn.Module):
+    """Convolutions with batch norm in training: a batch split must synchronise the statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = torch.nn.Conv2d(8, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16)
+        self.head = torch.nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        return self.head(x.flatten(1))
+
+
 def _square(out, *_):
     return out.square().mean()
 
@@ -53,9 +68,9 @@ def _case(name):
     gen = torch.Generator().manual_seed(1)
     if name == "mlp":
         return MLP(), (torch.randn(8, 64, generator=gen),), _square, None
-    if name == "cnn":
-        return CNN(), (torch.randn(8, 3, 16, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)), \
-            _cross_entropy, 1
+    if name in ("cnn", "cnn-bn"):
+        return (CNN() if name == "cnn" else CNNBN()), \
+            (torch.randn(8, 3, 16, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)), _cross_entropy, 1
     from remat.frontends.zoo import GPT
     model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
     ids = torch.randint(0, 64, (4, 16), generator=gen)
@@ -108,6 +123,7 @@ def _run(name, which, world):
     ("mlp", "search", 2), ("mlp", "data-parallel", 2), ("mlp", "fsdp", 2), ("mlp", "megatron", 2),
     ("mlp", "search", 4), ("mlp", "fsdp", 4),
     ("cnn", "search", 2), ("cnn", "data-parallel", 2),
+    ("cnn-bn", "search", 2), ("cnn-bn", "data-parallel", 4),
     ("gpt", "search", 2), ("gpt", "megatron", 2),
 ])
 def test_a_partitioned_step_trains_as_one_process_and_as_predicted(name, which, world):

@@ -12,6 +12,8 @@ from remat.solvers.partition import (PARTIAL, REPLICATE, RULES, OpRule, Shard, m
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from shards import combine, place, synced_batch_norm  # noqa: E402
+
 
 def _g(*shape):
     return torch.randn(*shape, generator=_GEN, dtype=torch.float64)
@@ -44,24 +46,6 @@ CASES = {
 }
 
 
-def _place(t, placement, k):
-    """The k device values of tensor `t` under `placement`."""
-    if placement.kind == "shard":
-        return list(t.chunk(k, dim=placement.dim))
-    if placement == PARTIAL:       # one device holds it, the others zeros: the shards sum to it
-        return [t] + [torch.zeros_like(t) for _ in range(k - 1)]
-    return [t] * k
-
-
-def _combine(parts, placement):
-    if placement.kind == "shard":
-        return torch.cat(parts, dim=placement.dim)
-    if placement == PARTIAL:
-        return sum(parts)
-    assert all(torch.allclose(p, parts[0]) for p in parts[1:])
-    return parts[0]
-
-
 def test_every_rule_has_a_case_and_the_cases_match_their_specs():
     assert set(CASES) == set(RULES)
     for name, (fn, make) in CASES.items():
@@ -79,9 +63,13 @@ def test_the_sharded_op_equals_the_unsharded_one(name, k):
     found = strategies(RULES[name])
     assert found, name
     for s in found:
-        placed = [_place(t, p, k) for t, p in zip(args, s.inputs)]
-        parts = [fn(*[p[d] for p in placed]) for d in range(k)]
-        got = _combine(parts, s.outputs[0])
+        placed = [place(t, p, k) for t, p in zip(args, s.inputs)]
+        if s.sync:           # the statistics all-reduced (batch norm along its batch or space)
+            assert name == "batch_norm" and s.sync == "c"
+            parts = synced_batch_norm(*placed)
+        else:
+            parts = [fn(*[p[d] for p in placed]) for d in range(k)]
+        got = combine(parts, s.outputs[0])
         assert torch.allclose(got, want, atol=1e-10), (name, s)
 
 
@@ -97,7 +85,9 @@ def test_strategies_follow_the_index_notation():
     # coupled indices give no strategy
     assert {s.index for s in strategies(RULES["softmax"])} == {"b", "s"}
     assert {s.index for s in strategies(RULES["scaled_dot_product_attention"])} == {"b", "h", "l"}
-    assert {s.index for s in strategies(RULES["batch_norm"])} == {"c"}
+    # batch norm in training: along its batch and space with the statistics synchronised
+    assert {(s.index, s.sync) for s in strategies(RULES["batch_norm"])} == {("b", "c"), ("c", ""), ("h", "c"),
+                                                                            ("w", "c")}
     assert strategies(OpRule("ab->ab", fixed=(("a", "x"), ("b", "y")))) == []
 
 

@@ -18,6 +18,7 @@ from remat.frontends.partitioning import op_graph  # noqa: E402
 from remat.partitioning import PartitionPlan, baseline, partition  # noqa: E402
 from remat.solvers import tofu  # noqa: E402
 from remat.solvers.partition import PARTIAL, letter_sizes, rule_for, strategies  # noqa: E402
+from shards import combine, place, synced_batch_norm  # noqa: E402
 
 _GEN = torch.Generator().manual_seed(0)
 
@@ -63,23 +64,6 @@ ATEN = {
 }
 
 
-def _place(t, p, k):
-    if p.kind == "shard":
-        return list(t.chunk(k, dim=p.dim))
-    if p == PARTIAL:
-        return [t] + [torch.zeros_like(t) for _ in range(k - 1)]
-    return [t] * k
-
-
-def _combine(parts, p):
-    if p.kind == "shard":
-        return torch.cat(parts, dim=p.dim)
-    if p == PARTIAL:
-        return sum(parts)
-    assert all(torch.allclose(q, parts[0]) for q in parts[1:])
-    return parts[0]
-
-
 @pytest.mark.parametrize("case", sorted(ATEN))
 def test_aten_ops_at_their_shapes_split_as_described(case):
     op, fn, make, args = ATEN[case]
@@ -90,9 +74,13 @@ def test_aten_ops_at_their_shapes_split_as_described(case):
     found = [s for s in strategies(rule) if sizes[s.index] % 2 == 0]
     assert found, (case, rule)
     for s in found:
-        placed = [_place(t, p, 2) for t, p in zip(tensors, s.inputs)]
-        parts = [fn(*[p[d] for p in placed]) for d in range(2)]
-        got = _combine(parts, s.outputs[0])
+        placed = [place(t, p, 2) for t, p in zip(tensors, s.inputs)]
+        if s.sync:           # the statistics all-reduced (batch norm along its batch or space)
+            assert op == "batch_norm" and s.sync == rule.inputs[1]
+            parts = synced_batch_norm(*placed)
+        else:
+            parts = [fn(*[p[d] for p in placed]) for d in range(2)]
+        got = combine(parts, s.outputs[0])
         if op == "mean" and s.outputs[0] == PARTIAL:
             got = got / 2                      # (DTensor's Partial("avg"): the same communication)
         assert torch.allclose(got.double(), want.double(), atol=1e-9), (case, rule.spec, s)
@@ -172,6 +160,27 @@ def test_a_large_batch_gets_data_parallel():
     # the gradients all-reduced (2 x their bytes across the cut) and the loss's partial means (2 x 4 bytes)
     assert p.comm_bytes == dp["comm_bytes"] == 2 * sum(t.bytes for t in g.tensors.values() if t.kind == "parameter") + 8
     assert all(o["strategy"][0] in ("a", "replicated") for o in p.ops), p.ops
+
+
+def test_a_cnn_with_batch_norm_gets_data_parallel_with_synchronised_statistics():
+    # a training batch norm splits along the batch when its statistics are all-reduced: per batch
+    # norm 4 all-reduces of its C channels (sum and squares in the forward, two sums in the
+    # backward), 2 x the bytes across the cut each; without them the batch could not be split
+    bn = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+                             torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3, padding=1, bias=False),
+                             torch.nn.BatchNorm2d(16))
+    torch.manual_seed(0)
+    g = op_graph(bn, (torch.randn(64, 3, 16, 16),), _square)
+    p = partition(g, 2)
+    params = sum(t.bytes for t in g.tensors.values() if t.kind == "parameter" and t.grad)   # (not running stats)
+    syncs = sum(4 * 2 * 4 * c for c in (8, 16))
+    assert p.comm_bytes == p.baselines["data-parallel"]["comm_bytes"] == 2 * params + 8 + syncs
+    norms = [o for o in p.ops if o["op"] == "batch_norm"]
+    assert len(norms) == 2 and all(o["strategy"] == ["a"] for o in norms), norms
+    # two levels: the statistics all-reduced along both mesh dimensions, as DTensor's mesh runs them
+    p4 = partition(g, 4)
+    assert all(o["strategy"] == ["a", "a"] for o in p4.ops if o["op"] == "batch_norm")
+    assert p4.comm_bytes == p4.baselines["data-parallel"]["comm_bytes"]
 
 
 def test_the_recursion_counts_each_level_once_per_group():
