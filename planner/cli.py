@@ -511,7 +511,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", default=None, help="one example's shape without the batch, e.g. 3,224,224")
     p.add_argument("--full", action="store_true", help="zoo models at their published size")
     p.add_argument("--time-limit", type=_positive_float, default=30.0, metavar="SECONDS",
-                   help="the single-device planner's time limit when it recomputes (default 30)")
+                   help="the single-device planner's time limit when it recomputes, and the integer program's "
+                   "a level with --prove (default 30)")
+    p.add_argument("--prove", action="store_true",
+                   help="solve each level's cut again as an integer program (CBC) and say whether the search's "
+                   "cut is optimal, or how far from it")
     p.add_argument("-o", "--output", default="partition.json", metavar="PARTITION.json",
                    help="where to write the plan (default partition.json)")
     p.set_defaults(func=cmd_partition)

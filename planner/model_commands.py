@@ -346,7 +346,7 @@ def run_partition(args: Any) -> int:
     graph = op_graph(model, inputs, name=name)
     factor = {"none": 0.0, "sgd": 1.0, "adam": 2.0}[args.optimizer]
     p = partition(graph, args.devices, args.budget_bytes, optimizer_factor=factor, recompute=not args.no_recompute,
-                  time_limit=args.time_limit)
+                  time_limit=args.time_limit, prove=args.prove)
     p.model_spec = model_spec(args.model, args.batch, parse_shape(args.input_shape), args.full)
     for line in report(p):
         print(line)

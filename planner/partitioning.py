@@ -140,12 +140,15 @@ def _peak(g: tofu.OpGraph, sp: tofu.Split, optimizer_factor: float) -> int:
 
 def partition(graph: Any, devices: int, budget: "int | str | None" = None, *, example_inputs: Any = None,
               loss_fn: Any = None, optimizer_factor: float = 0.0, max_states: int = 4096, recompute: bool = True,
-              baselines_too: bool = True, time_limit: float = 30.0, device_type: str = "cpu") -> PartitionPlan:
+              baselines_too: bool = True, time_limit: float = 30.0, device_type: str = "cpu",
+              prove: bool = False) -> PartitionPlan:
     """The partition of `graph` over `devices` (a power of 2) with the least communication whose
     per-device peak fits `budget` (bytes or ``"20GiB"``; None: no budget) (module docstring).
     `graph`: an `OpGraph`, or a model captured first with `example_inputs` and `loss_fn`
     (`frontends.partitioning.op_graph`).  `device_type`: where the plan runs (``"cpu"``: gloo,
-    whose missing all-to-all DTensor replaces by an all-gather; ``"cuda"``: NCCL)."""
+    whose missing all-to-all DTensor replaces by an all-gather; ``"cuda"``: NCCL).  `prove`: solve
+    each level's cut again as an integer program (`certify`, CBC within `time_limit` a level) and
+    record in ``search["certificates"]`` whether the dynamic program's cut is optimal."""
     if not isinstance(graph, tofu.OpGraph):
         if example_inputs is None:
             raise InvalidInputError("remat.partition: give an OpGraph, or a model with example_inputs=")
@@ -212,10 +215,33 @@ def partition(graph: Any, devices: int, budget: "int | str | None" = None, *, ex
                 f"per-device peak found is {format_bytes(pk)} without recomputation"
                 + (" (recomputation does not bring it under the budget either)" if recompute else "")
                 + "; use more devices or a larger budget", int(budget), min_feasible_bytes=int(pk))
+    if prove:
+        search["certificates"] = certify(graph, chosen, search["lambda"] or 0.0, optimizer_factor, time_limit)
     out = _record(graph, chosen, budget, optimizer_factor, search, planned, device_type)
     if baselines_too:
         out.baselines = {name: _baseline_row(graph, devices, name, optimizer_factor, max_states, device_type)
                          for name in BASELINES}
+    return out
+
+
+def certify(g: tofu.OpGraph, sp: tofu.Split, lam: float, optimizer_factor: float = 0.0,
+            time_limit: float = 30.0) -> list:
+    """Per level of `sp`, its cut solved again as an integer program from the dynamic program's
+    cut (`tofu_ilp.cut_ilp`) at that level's shapes and `lam`: {"level", "objective" (the dynamic
+    program's: bytes communicated + lam x bytes per device), "best" (the integer program's, never
+    worse), "bound", "proven", "gap" (of the dynamic program's cut against the bound), "seconds"}.
+    What is proved is each cut given the levels above it: Tofu's recursion is itself a restriction."""
+    from remat.solvers import tofu_ilp
+    shapes = {t: tuple(info.shape) for t, info in g.tensors.items()}
+    out = []
+    for level, c in enumerate(sp.levels):
+        cert = tofu_ilp.cut_ilp(g, shapes, lam, optimizer_factor=optimizer_factor, warm=c, time_limit=time_limit)
+        dp = tofu_ilp.objective(c, lam)
+        gap = 0.0 if cert.proven and cert.objective >= dp - 1e-9 * max(1.0, dp) else (
+            None if cert.bound is None or dp <= 0 else max(0.0, (dp - cert.bound) / dp))
+        out.append({"level": level, "objective": dp, "best": cert.objective, "bound": cert.bound,
+                    "proven": cert.proven, "gap": gap, "seconds": round(cert.seconds, 3)})
+        shapes = {t: tofu.halved(shapes[t], c.placement[t]) for t in shapes}
     return out
 
 
@@ -326,6 +352,16 @@ def report(p: PartitionPlan) -> list:
         lines.append(f"  ops run whole on every device (no description): {', '.join(p.search['undescribed_ops'])}")
     if not p.search.get("exact", True):
         lines.append("  (the search kept only the cheapest states at some op: not exact)")
+    for c in p.search.get("certificates", []):
+        head = f"  level {c['level']}: the dynamic program's cut "
+        if c["gap"] == 0.0:
+            lines.append(head + f"is optimal (proven by an integer program, CBC, {c['seconds']:.1f} s)")
+        elif c["best"] < c["objective"]:
+            lines.append(head + f"costs {100 * (c['objective'] / c['best'] - 1):.1f} % more than the integer "
+                         f"program's ({'optimal' if c['proven'] else 'its best'}): the search was not exact there")
+        else:
+            lines.append(head + ("is within " + f"{100 * c['gap']:.1f} % of optimal" if c["gap"] is not None
+                                 else "is not proven optimal (no bound)") + f" (CBC, {c['seconds']:.1f} s)")
     for prefix, heavy in p.blocks():
         if heavy:
             lines.append(f"  {prefix}: " + ", ".join(f"{op} {'/'.join(sorted(set(v)))}" for op, v in heavy.items()))

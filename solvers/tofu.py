@@ -226,7 +226,7 @@ def input_costs(g: OpGraph, op: OpInfo, s: Strategy, i: int, p: Placement, nbyte
         if regathered(g, op, i):
             comm *= 2
     elif t.kind == "activation" and want != p:
-        kept = _per_device(want, nbytes)
+        kept = per_device(want, nbytes)
     if t.grad and reduces_here(g, op, op.inputs[i]):
         comm += conversion(grad_placement(s, want), p, nbytes, cpu)
     return comm, kept
@@ -241,7 +241,7 @@ def output_costs(g: OpGraph, op: OpInfo, s: Strategy, j: int, p: Placement, nbyt
     if t.grad:
         need = made if made.kind == "shard" else REPLICATE
         comm += conversion(p, need, nbytes, cpu)
-    return comm, (0 if op.op in VIEWS else _per_device(p, nbytes))
+    return comm, (0 if op.op in VIEWS else per_device(p, nbytes))
 
 
 def sync_costs(g: OpGraph, op: OpInfo, s: Strategy, shapes: dict) -> int:
@@ -265,7 +265,8 @@ def _stats_bytes(g: OpGraph, op: OpInfo, s: Strategy, x_shape: tuple) -> int:
     return math.prod(x_shape[letters.index(c)] for c in s.sync) * g.tensors[op.inputs[0]].itemsize
 
 
-def _per_device(p: Placement, nbytes: int) -> int:
+def per_device(p: Placement, nbytes: int) -> int:
+    """Bytes per device of a tensor of `nbytes` placed `p` in one 2-way cut."""
     return -(-nbytes // 2) if p.kind == "shard" else nbytes
 
 
@@ -336,7 +337,7 @@ def cut(g: OpGraph, shapes: dict, lam: float = 0.0, allowed: dict | None = None,
                 for p in cands(t):
                     c = m = 0
                     if t in new_in:
-                        m = factor[t] * _per_device(p, nb[t])
+                        m = factor[t] * per_device(p, nb[t])
                         for i2, t2 in enumerate(op.inputs):
                             if t2 == t:
                                 c2, m2 = input_costs(g, op, s, i2, p, nb[t])

@@ -136,6 +136,27 @@ def test_the_dynamic_program_equals_brute_force():
     assert c.comm == _brute_force(g, shapes)
 
 
+@pytest.mark.parametrize("lam", [0.0, 0.5])
+def test_the_integer_program_proves_the_dynamic_program_and_bounds_a_truncated_one(lam):
+    from remat.solvers import tofu_ilp
+    for batch, width, hidden in [(4, 4, 8), (8, 64, 256), (4096, 16, 32)]:
+        g = _mlp_graph(batch, width, hidden)
+        shapes = {t: i.shape for t, i in g.tensors.items()}
+        exact = tofu.cut(g, shapes, lam)
+        assert exact.exact
+        cold = tofu_ilp.cut_ilp(g, shapes, lam)           # from nothing: the same optimum, proven
+        assert cold.proven and cold.objective == pytest.approx(tofu_ilp.objective(exact, lam))
+        assert tofu.evaluate(g, shapes, cold.cut.placement, cold.cut.strategy) == cold.cut.comm
+        # the program keeping one state: worse where the batch is large; the integer program
+        # started from its cut finds the optimum and proves it
+        short = tofu.cut(g, shapes, lam, max_states=1)
+        cert = tofu_ilp.cut_ilp(g, shapes, lam, warm=short)
+        assert cert.proven and cert.objective == pytest.approx(tofu_ilp.objective(exact, lam))
+        assert cert.objective <= tofu_ilp.objective(short, lam)
+        if batch == 4096 and lam == 0.0:     # (the case where keeping one state loses: 524,416 B for 8,584 B)
+            assert tofu_ilp.objective(short, lam) > 10 * cert.objective
+
+
 def test_a_wide_mlp_at_a_small_batch_gets_megatrons_split():
     # weights (2 x 64 x 256) far outweigh the activations (8 x 256): split the weights, column then row
     g = _mlp_graph(batch=8)
@@ -269,8 +290,12 @@ def test_a_transformer_block_partitions_no_worse_than_megatron_at_its_memory():
 def test_cli_partition_writes_the_plan(tmp_path, capsys):
     from remat.cli import main
     out = tmp_path / "p.json"
-    assert main(["partition", "gpt2", "--devices", "2", "-o", str(out)]) == 0
+    assert main(["partition", "gpt2", "--devices", "4", "--prove", "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "2 devices" in text and "baselines" in text
+    assert "4 devices" in text and "baselines" in text
+    assert "level 0: the dynamic program's cut is optimal (proven" in text and "level 1:" in text, text
+    assert [c["gap"] for c in PartitionPlan.load(out).search["certificates"]] == [0.0, 0.0]
+    assert main(["partition", "gpt2", "--devices", "2", "-o", str(out)]) == 0
+    capsys.readouterr()
     assert PartitionPlan.load(out).devices == 2
     assert main(["partition", "gpt2", "--devices", "3", "-o", str(out)]) == 2
