@@ -8,11 +8,12 @@ collectives (summed over ranks) against the plan's `comm_bytes`, each rank's pea
 accounting) against the plan's per-device `peak_bytes`, and the largest gradient difference
 from one process's step.  Layer placement is costed only (`remat partition` prints it).
 
-    python benchmarks/partition.py                     # mlp, cnn, gpt at 2 and 4 processes
+    python benchmarks/partition.py                     # mlp, cnn, cnn-bn, gpt at 2 and 4 processes
     python benchmarks/partition.py --cases gpt --devices 2
 
 Cases: an MLP (Linear(64, 256)-GELU-Linear(256, 64), batch 8), a CNN (two conv-ReLU-pool
-blocks and a linear head, batch 8 of 3x16x16, cross entropy), the zoo GPT (2 layers, width 32,
+blocks and a linear head, batch 8 of 3x16x16, cross entropy), ``cnn-bn`` (the same with batch norm
+after each convolution, in training: a batch split synchronises its statistics), the zoo GPT (2 layers, width 32,
 4 heads, vocabulary 64, sequence 16, batch 4, dropout 0, tied embedding).  Output: CSV
 (``--out``) and a line per variant.
 """
@@ -46,6 +47,18 @@ class MLP(torch.nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class CNNBN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = torch.nn.Conv2d(8, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16)
+        self.head = torch.nn.Linear(256, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        return self.head(F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2).flatten(1))
+
+
 class CNN(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -62,8 +75,9 @@ def case(name: str):
     gen = torch.Generator().manual_seed(1)
     if name == "mlp":
         return MLP(), (torch.randn(8, 64, generator=gen),), lambda out, *_: out.square().mean(), None
-    if name == "cnn":
-        return CNN(), (torch.randn(8, 3, 16, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)), \
+    if name in ("cnn", "cnn-bn"):
+        return (CNN() if name == "cnn" else CNNBN()), \
+            (torch.randn(8, 3, 16, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)), \
             lambda out, x, y: F.cross_entropy(out, y), 1
     from remat.frontends.zoo import GPT
     model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
@@ -109,7 +123,7 @@ def run(name: str, which: str, world: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="mlp,cnn,gpt")
+    ap.add_argument("--cases", default="mlp,cnn,cnn-bn,gpt")
     ap.add_argument("--devices", default="2,4")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default="benchmarks/out/partition.csv")

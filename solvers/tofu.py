@@ -198,16 +198,23 @@ def grad_placement(s: Strategy, want: Placement) -> Placement:
 
 
 NOT_READ_BACK = {"add", "sub", "embedding", "cat"}   # ops whose backward never reads their parameters
+# ops whose autograd saves their input and weight together whenever any gradient is wanted (one
+# backward formula computes them all): a convolution's weight is read back even where only the
+# weight's own gradient is needed
+SAVES_INPUT_AND_WEIGHT = {"convolution", "conv1d", "conv2d", "conv3d"}
 
 
 def regathered(g: OpGraph, op: OpInfo, i: int) -> bool:
     """Whether `op`'s backward reads its parameter input i (so a gathered parameter is gathered
     again): it does where another input, not one added to the result (a bias, whose gradient
     needs only the output's), needs a gradient, unless i is itself added or the op's backward
-    reads no input."""
+    reads no input; a convolution's weight wherever any gradient is wanted
+    (`SAVES_INPUT_AND_WEIGHT`)."""
     added = rule(g, op).added
     if op.op in NOT_READ_BACK or i in added:
         return False
+    if op.op in SAVES_INPUT_AND_WEIGHT:
+        return any(g.tensors[t].grad for t in op.inputs)
     return any(g.tensors[t].grad for j, t in enumerate(op.inputs) if j != i and j not in added)
 
 
@@ -459,21 +466,46 @@ def split(g: OpGraph, devices: int, lam: float = 0.0, **options) -> Split:
     return Split(devices, levels, placement, strategy, shapes, comm, exact)
 
 
+def mesh_steps(src: tuple, dst: tuple) -> list:
+    """The conversions DTensor runs to turn placements `src` (one per mesh dimension of 2) into
+    `dst`, as [(mesh dimension, from, to)] in order: its greedy plan (torch 2.13,
+    ``generate_greedy_transform_infos``): where `src` shards the tensor, first from the last mesh
+    dimension to the first, each to its target (to whole instead where a target shard is nested
+    differently under the dimensions before it), then from the first to the last, what is left;
+    where `src` shards nothing (partial sums, whole), from the first to the last only."""
+    cur = list(src)
+    steps = []
+    if any(p.kind == "shard" for p in cur):
+        for level in reversed(range(len(cur))):
+            target = dst[level]
+            if target.kind == "shard":
+                before = [i for i in range(level) if cur[i] == target]
+                wanted = [i for i in range(level) if dst[i] == target]
+                if before != wanted:
+                    target = REPLICATE
+            if cur[level] != target:
+                steps.append((level, cur[level], target))
+                cur[level] = target
+    for level in range(len(cur)):
+        if cur[level] != dst[level]:
+            steps.append((level, cur[level], dst[level]))
+            cur[level] = dst[level]
+    return steps
+
+
 def mesh_conversion(src: tuple, dst: tuple, shape: tuple, itemsize: int, device_type: str = "cuda") -> int:
     """Bytes all devices send to turn a tensor of global `shape` placed `src` (one placement per
-    mesh dimension of 2) into `dst` as DTensor does it: one mesh dimension at a time, the last
-    first, each of the 2^(m-1) pairs along it exchanging its local tensor (the global shape
-    halved along the current shards of the other dimensions).  On ``"cpu"`` (gloo, which has no
-    all-to-all) DTensor moves a shard to another dimension by an all-gather."""
+    mesh dimension of 2) into `dst` as DTensor does it: one mesh dimension at a time, in
+    `mesh_steps`' order, each of the 2^(m-1) pairs along it exchanging its local tensor (the global
+    shape halved along the current shards of the other dimensions).  On ``"cpu"`` (gloo, which has
+    no all-to-all) DTensor moves a shard to another dimension by an all-gather."""
     cur = list(src)
     m = len(cur)
     total = 0
-    for level in reversed(range(m)):
-        if cur[level] == dst[level]:
-            continue
+    for level, frm, to in mesh_steps(tuple(src), tuple(dst)):
         local = local_shape(shape, cur, skip=level)
-        total += 2 ** (m - 1) * conversion(cur[level], dst[level], math.prod(local) * itemsize, device_type == "cpu")
-        cur[level] = dst[level]
+        total += 2 ** (m - 1) * conversion(frm, to, math.prod(local) * itemsize, device_type == "cpu")
+        cur[level] = to
     return total
 
 
@@ -538,10 +570,9 @@ def between_bytes(src: tuple, dst: tuple, shape: tuple, itemsize: int) -> int:
     """Per device, the bytes of the intermediate forms a conversion from `src` to `dst` passes
     through (one mesh dimension at a time, as `mesh_conversion`; neither end counted)."""
     cur = list(src)
-    steps = [level for level in reversed(range(len(cur))) if cur[level] != dst[level]]
     total = 0
-    for level in steps[:-1]:
-        cur[level] = dst[level]
+    for level, _, to in mesh_steps(tuple(src), tuple(dst))[:-1]:
+        cur[level] = to
         total += math.prod(local_shape(shape, cur)) * itemsize
     return total
 
