@@ -34,9 +34,12 @@ dimensions that split it, twice in the forward and once in the backward), so eve
 normalises by the whole batch's statistics and updates the running ones as one process does.
 
 Ops whose shape arguments describe the whole tensor (``view``, ``reshape``, ``expand``) get
-their local shape.  Random ops (dropout) draw on each rank's own generator: their masks differ
-from one process's, so a model with dropout does not give one process's gradients (use
-dropout 0 to compare).
+their local shape.  A random op split across the devices (dropout, attention with dropout:
+`tofu.draws`) draws what one process draws: each device draws the whole tensor of random
+numbers from the same generator state as one process's op would, keeps its part and frees the
+rest (a transient the per-device graph counts), so with every rank seeded alike the step's loss
+and gradients are one process's (ATen's CPU kernels; CUDA's fused attention kernels draw their
+own way, and a CUDA step with attention dropout differs from one process's).
 """
 from __future__ import annotations
 
@@ -168,15 +171,20 @@ class _SyncedBatchNorm(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
+def _bind(target: Any, args: tuple, kwargs: dict) -> dict:
+    """{argument name: value} of an ATen op's call (its schema's defaults where not given)."""
+    schema = target._schema.arguments
+    bound = list(args) + [kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+                          for a in schema[len(args):]]
+    return dict(zip((a.name for a in schema), bound))
+
+
 def synced_batch_norm(target: Any, args: tuple, kwargs: dict, mesh: Any, dims: list) -> Any:
     """ATen's training batch norm `target` (``batch_norm``, ``native_batch_norm``,
     ``_native_batch_norm_legit[_functional]``) on this device's part of the batch, with the whole
     batch's statistics (`_SyncedBatchNorm`): the op's own outputs, the running statistics updated
     in place (returned, for the functional form) with the whole batch's mean and unbiased variance."""
-    schema = target._schema.arguments
-    bound = list(args) + [kwargs.get(a.name, a.default_value if a.has_default_value() else None)
-                          for a in schema[len(args):]]
-    values = dict(zip((a.name for a in schema), bound))
+    values = _bind(target, args, kwargs)
     x, weight, bias = values["input"], values.get("weight"), values.get("bias")
     rm, rv = values.get("running_mean"), values.get("running_var")
     momentum, eps = values["momentum"], values["eps"]
@@ -194,6 +202,42 @@ def synced_batch_norm(target: Any, args: tuple, kwargs: dict, mesh: Any, dims: l
         return out
     stats = (mean.detach(), torch.rsqrt(var.detach() + eps))
     return (out, *stats, *new) if name == "_native_batch_norm_legit_functional" else (out, *stats)
+
+
+def _part(full: torch.Tensor, placements: tuple, mesh: Any) -> torch.Tensor:
+    """This device's part (a copy) of `full`, a tensor the same on every device, placed
+    `placements` (DTensor placements, one per mesh dimension)."""
+    coord = mesh.get_coordinate()
+    for p, c in zip(placements, coord):
+        if isinstance(p, Shard):
+            full = full.chunk(2, dim=p.dim)[c]
+    return full.clone()
+
+
+def dropout_factors(shape: tuple, p: float, like: torch.Tensor) -> torch.Tensor:
+    """What ATen's training dropout multiplies a tensor of `shape` (dtype and device of `like`)
+    by: 0 or 1 / (1 - p), drawn from the generator as dropout draws them (on the CPU a Bernoulli
+    draw of the whole tensor, divided in place; elsewhere the fused kernel's mask, scaled)."""
+    if like.device.type == "cpu":
+        return torch.empty(shape, dtype=like.dtype).bernoulli_(1 - p).div_(1 - p)
+    out, keep = torch.ops.aten.native_dropout(torch.ones(shape, dtype=like.dtype, device=like.device), p, True)
+    return out
+
+
+def attention_with_noise(q, k, v, mask, is_causal: bool, scale, noise: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product attention as ATen's math path computes it (q and k each scaled by the
+    square root of the scale, a causal or given mask, softmax), its probabilities multiplied by
+    `noise` (dropout's kept-and-rescaled factors, drawn elsewhere)."""
+    import math
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    root = math.sqrt(scale)
+    attn = (q * root) @ (k.transpose(-2, -1) * root)
+    if is_causal:
+        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+        attn = attn.masked_fill(keep.logical_not(), float("-inf"))
+    if mask is not None:
+        attn = attn.masked_fill(mask.logical_not(), float("-inf")) if mask.dtype == torch.bool else attn + mask
+    return (torch.softmax(attn, -1) * noise) @ v
 
 
 class PartitionedStep:
@@ -249,6 +293,33 @@ class PartitionedStep:
             gathered[key] = (self.env[t], want)
             weakref.finalize(storage, gathered.pop, key, None)   # (addresses are reused)
 
+    def _drawn(self, op: Any, target: Any, args: tuple, kwargs: dict, strats: list) -> Any:
+        """A random op (`tofu.draws`) split across the devices, drawing what one process draws:
+        every device draws the whole tensor of random numbers from the same generator state, as
+        one process's op would (``aten.dropout`` of ones at the global shape: the factors
+        dropout multiplies by), and uses its own part of it."""
+        g = self.graph
+        made = tuple(_dt(tofu.placed(s, "out", 0)) for s in strats)
+        values = _bind(target, args, kwargs)
+        if op.op == "dropout":
+            x = values["input"]
+            return x * _part(dropout_factors(g.tensors[op.outputs[0]].shape, values["p"], x), made, self.mesh)
+        if op.op == "native_dropout":
+            x, p = values["input"], values["p"]
+            keep = _part(dropout_factors(g.tensors[op.outputs[0]].shape, p, x) != 0, made, self.mesh)
+            return x * keep * (1.0 / (1.0 - p)), keep
+        if values.get("enable_gqa"):
+            raise NotImplementedError("partition: attention with dropout and grouped query heads (enable_gqa) "
+                                      "split across devices")
+        q, k = values["query"], values["key"]
+        q_shape, k_shape = g.tensors[op.inputs[0]].shape, g.tensors[op.inputs[1]].shape
+        rank = len(q_shape)
+        noise = dropout_factors(tuple(q_shape[:-1]) + (k_shape[-2],), values["dropout_p"], q)
+        # the output's split dimensions are the probabilities' but for the last (the values' width)
+        along = tuple(Replicate() if isinstance(m, Shard) and m.dim == rank - 1 else m for m in made)
+        return attention_with_noise(q, k, values["value"], values.get("attn_mask"), bool(values["is_causal"]),
+                                    values.get("scale"), _part(noise, along, self.mesh))
+
     def __call__(self, leaves: dict) -> DTensor:
         """Run the forward and the loss from `leaves` (`distribute`); returns the loss as a
         replicated DTensor (``.to_local().backward()`` runs the backward)."""
@@ -291,8 +362,12 @@ class PartitionedStep:
                 args = (args[0], shape) + tuple(args[2:])
             synced = [d for d, s in enumerate(strats) if s is not tofu.REPLICATED and s.sync]
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                out = (synced_batch_norm(node.target, args, kwargs, self.mesh, synced) if synced
-                       else node.target(*args, **kwargs))
+                if synced:
+                    out = synced_batch_norm(node.target, args, kwargs, self.mesh, synced)
+                elif tofu.draws(op) and any(s is not tofu.REPLICATED for s in strats):
+                    out = self._drawn(op, node.target, args, kwargs, strats)
+                else:
+                    out = node.target(*args, **kwargs)
             for j, t in enumerate(op.outputs):
                 value = out[cap.tensor_nodes[t].args[1]] if isinstance(out, (list, tuple)) else out
                 made = tuple(_dt(tofu.placed(s, "out", j)) for s in strats)
@@ -461,7 +536,8 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
             batch = random_batch(example, gen, device)
             ref = None
             if reference and rank == 0:
-                with torch.no_grad():
+                # (from the generator state every rank's step then draws from: one process's numbers)
+                with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), torch.no_grad():
                     ref = float(step_loss(model, default_loss, batch))
             t0 = time.perf_counter()
             got = train_step(model, batch, plan, mesh, capture=capture, meter=True)

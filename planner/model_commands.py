@@ -272,8 +272,9 @@ def run_partitioned(args: Any, shape: tuple | None) -> int:
     differ = any(r["reference_loss"] is not None and abs(r["loss"] - r["reference_loss"]) > 1e-5 * abs(r["reference_loss"])
                  for r in rows)
     if differ and rows[0]["random"]:
-        print("note       the step draws random numbers (dropout): each rank draws its own, so its loss is not one "
-              "process's; set dropout to 0 to compare")
+        print("note       the step draws random numbers (dropout) that the ranks did not draw as one process does "
+              "(CUDA's fused attention kernels draw their own way), so its loss is not one process's; set dropout "
+              "to 0 to compare")
     for k in sorted({r["step"] for r in rows}):
         step = sorted((r for r in rows if r["step"] == k), key=lambda r: r["rank"])
         ref = step[0]["reference_loss"]

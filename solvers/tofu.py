@@ -88,6 +88,31 @@ CREATION = {"arange", "zeros", "ones", "full", "empty", "randn", "rand", "new_ze
 REPLICATED = Strategy("", (), ())   # every device runs the whole op (its placements: all whole)
 
 
+def draws(op: OpInfo) -> bool:
+    """Whether `op` draws random numbers as it runs in training: dropout, and attention with
+    dropout (its ``dropout_p`` argument above 0)."""
+    if op.op in ("dropout", "native_dropout"):
+        return len(op.args) < 3 or op.args[2] is None or bool(op.args[2])
+    if op.op == "scaled_dot_product_attention":
+        return len(op.args) > 4 and bool(op.args[4])
+    return False
+
+
+def drawn_bytes(g: OpGraph, op: OpInfo, ins: list, sp: "Split") -> tuple[int, int]:
+    """(bytes per device a random op (`draws`) keeps for its backward beyond its output, bytes of
+    the whole tensor of random numbers it draws): dropout keeps its factors (its output's size);
+    attention with dropout, computed as ATen's math path computes it, keeps the scaled queries and
+    keys, the probabilities, the factors and the dropped probabilities (each of the scores' size).
+    `ins`: the op's inputs' shapes per device."""
+    item = g.tensors[op.outputs[0]].itemsize
+    if op.op in ("dropout", "native_dropout"):
+        return math.prod(sp.shapes[op.outputs[0]]) * item, g.tensors[op.outputs[0]].bytes
+    q, k = ins[0], ins[1]
+    scores = math.prod(q[:-1]) * k[-2]
+    whole = math.prod(g.tensors[op.inputs[0]].shape[:-1]) * g.tensors[op.inputs[1]].shape[-2]
+    return (3 * scores + math.prod(q) + math.prod(k)) * item, whole * item
+
+
 # ---- the ops' descriptions ------------------------------------------------------------------------
 def describe(g: OpGraph) -> list:
     """Each op's `OpRule` at its shapes (`partition.rule_for`), in the order of `g.ops`; computed
@@ -202,17 +227,27 @@ NOT_READ_BACK = {"add", "sub", "embedding", "cat"}   # ops whose backward never 
 # backward formula computes them all): a convolution's weight is read back even where only the
 # weight's own gradient is needed
 SAVES_INPUT_AND_WEIGHT = {"convolution", "conv1d", "conv2d", "conv3d"}
+# training batch norms: ATen's backward saves the weight and the running statistics with the
+# input; the split with synchronised statistics (`remat.distributed`) saves the weight only
+BATCH_NORMS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"}
 
 
-def regathered(g: OpGraph, op: OpInfo, i: int) -> bool:
+def regathered(g: OpGraph, op: OpInfo, i: int, strats: tuple = ()) -> bool:
     """Whether `op`'s backward reads its parameter input i (so a gathered parameter is gathered
     again): it does where another input, not one added to the result (a bias, whose gradient
     needs only the output's), needs a gradient, unless i is itself added or the op's backward
     reads no input; a convolution's weight wherever any gradient is wanted
-    (`SAVES_INPUT_AND_WEIGHT`)."""
+    (`SAVES_INPUT_AND_WEIGHT`); a batch norm's weight, and its running statistics unless `strats`
+    (the op's strategy per level) synchronise its statistics (`BATCH_NORMS`), never its bias."""
     added = rule(g, op).added
     if op.op in NOT_READ_BACK or i in added:
         return False
+    if op.op in BATCH_NORMS:
+        synced = any(s is not REPLICATED and s.sync for s in strats)
+        wanted = any(g.tensors[t].grad for t in op.inputs)
+        if len(op.inputs) != 5:      # (no affine parameters or no running statistics: positions differ)
+            return wanted and not synced
+        return wanted and (i == 1 or i in (3, 4) and not synced)
     if op.op in SAVES_INPUT_AND_WEIGHT:
         return any(g.tensors[t].grad for t in op.inputs)
     return any(g.tensors[t].grad for j, t in enumerate(op.inputs) if j != i and j not in added)
@@ -230,7 +265,7 @@ def input_costs(g: OpGraph, op: OpInfo, s: Strategy, i: int, p: Placement, nbyte
     comm = conversion(p, want, nbytes, cpu)
     kept = 0
     if t.kind == "parameter":
-        if regathered(g, op, i):
+        if regathered(g, op, i, (s,)):
             comm *= 2
     elif t.kind == "activation" and want != p:
         kept = per_device(want, nbytes)
@@ -530,7 +565,7 @@ def mesh_comm(g: OpGraph, sp: Split, device_type: str = "cuda") -> int:
             if info.kind == "input" and want == sp.placement[t]:
                 continue
             c = mesh_conversion(sp.placement[t], want, info.shape, info.itemsize, device_type)
-            if info.kind == "parameter" and regathered(g, op, i):
+            if info.kind == "parameter" and regathered(g, op, i, strats):
                 c *= 2
             if info.grad:
                 grad = tuple(grad_placement(s, w) for s, w in zip(strats, want))
@@ -638,7 +673,8 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
             if math.prod(s) > math.prod(sp.shapes[t]):
                 want = tuple(placed(x, "in", i) for x in sp.strategy[op.id])
                 extra = between_bytes(sp.placement[t], want, g.tensors[t].shape, g.tensors[t].itemsize)
-                gathered.append((math.prod(s) * g.tensors[t].itemsize, extra, g.tensors[t].kind, regathered(g, op, i)))
+                again = regathered(g, op, i, sp.strategy[op.id])
+                gathered.append((math.prod(s) * g.tensors[t].itemsize, extra, g.tensors[t].kind, again))
         copies = sum(b for b, _, kind, _ in gathered if kind == "activation")
         transient[op.id] = sum(b + x for b, x, kind, _ in gathered if kind == "parameter") + \
             sum(x for _, x, kind, _ in gathered if kind == "activation")
@@ -647,6 +683,11 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         out_b = sum(nbytes[t] for t in op.outputs if root[t] == t) + copies
         if op.op in SAVES_INDICES:
             out_b += sum(math.prod(sp.shapes[t]) * 8 for t in op.outputs)
+        if draws(op):
+            saved, whole = drawn_bytes(g, op, ins, sp)
+            out_b += saved
+            if any(s is not REPLICATED for s in sp.strategy[op.id]):
+                transient[op.id] += whole       # every device draws the whole tensor, keeps its part
         kind = "loss" if op is loss else "forward"
         nid[op.id] = add(kind, op, out_b, t_fwd * (3 if op is loss else 1), workspace=transient[op.id])
         for t in op.inputs:

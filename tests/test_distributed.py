@@ -72,7 +72,7 @@ def _case(name):
         return (CNN() if name == "cnn" else CNNBN()), \
             (torch.randn(8, 3, 16, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)), _cross_entropy, 1
     from remat.frontends.zoo import GPT
-    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.1 if name == "gpt-dropout" else 0.0)
     ids = torch.randint(0, 64, (4, 16), generator=gen)
     return model, (ids, torch.roll(ids, -1, 1)), None, None
 
@@ -90,11 +90,13 @@ def _worker(rank, world, port, name, which, out):
         cap = capture_step(model, batch, loss_fn, count)
         plan = (partition(cap.graph, world, baselines_too=False) if which == "search"
                 else baseline(cap.graph, world, which))
+        state = torch.get_rng_state()        # (the same on every rank: seeded alike)
         got = train_step(model, batch, plan, mesh_for(world), loss_fn, capture=cap, meter=True)
         row = {"rank": rank, "loss": got["loss"], "comm": got["comm_bytes"], "peak": got["peak_bytes"],
                "plan_comm": plan.comm_bytes, "plan_peak": plan.peak_bytes}
         if rank == 0:
             from remat.frontends.base import step_loss
+            torch.set_rng_state(state)          # one process's step draws what the ranks drew
             ref = step_loss(model, loss_fn or (lambda o, *a: o), batch, None, count)
             ref.backward()
             row["ref_loss"] = float(ref.detach())
@@ -125,6 +127,7 @@ def _run(name, which, world):
     ("cnn", "search", 2), ("cnn", "data-parallel", 2),
     ("cnn-bn", "search", 2), ("cnn-bn", "data-parallel", 4),
     ("gpt", "search", 2), ("gpt", "megatron", 2),
+    ("gpt-dropout", "search", 2), ("gpt-dropout", "data-parallel", 4),
 ])
 def test_a_partitioned_step_trains_as_one_process_and_as_predicted(name, which, world):
     rows = _run(name, which, world)
