@@ -142,14 +142,14 @@ class _SyncedBatchNorm(torch.autograd.Function):
         shape = [1, -1] + [1] * (x.dim() - 2)
         count = x.numel() // x.shape[1] * 2 ** len(dims)
         mean = _all_reduce(x.sum(over), mesh, dims) / count
-        centred = x - mean.view(shape)
-        var = _all_reduce(centred.square().sum(over), mesh, dims) / count
+        out = x - mean.view(shape)                   # (one temporary beside it: the squares)
+        var = _all_reduce(out.square().sum(over), mesh, dims) / count
         invstd = torch.rsqrt(var + eps)
-        out = centred * invstd.view(shape)
+        out.mul_(invstd.view(shape))
         if weight is not None:
-            out = out * weight.view(shape)
+            out.mul_(weight.view(shape))
         if bias is not None:
-            out = out + bias.view(shape)
+            out.add_(bias.view(shape))
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.mesh, ctx.dims, ctx.count, ctx.has_bias = mesh, dims, count, bias is not None
         return out, mean, var
@@ -159,13 +159,14 @@ class _SyncedBatchNorm(torch.autograd.Function):
         x, weight, mean, invstd = ctx.saved_tensors
         over = [0] + list(range(2, x.dim()))
         shape = [1, -1] + [1] * (x.dim() - 2)
-        xhat = (x - mean.view(shape)) * invstd.view(shape)
+        xhat = (x - mean.view(shape)).mul_(invstd.view(shape))   # (one temporary beside dx)
         sum_dy, sum_dy_xhat = dy.sum(over), (dy * xhat).sum(over)
         dx = None
         if ctx.needs_input_grad[0]:
             both = _all_reduce(torch.stack([sum_dy, sum_dy_xhat]), ctx.mesh, ctx.dims) / ctx.count
             scale = invstd if weight is None else invstd * weight
-            dx = (dy - both[0].view(shape) - xhat * both[1].view(shape)) * scale.view(shape)
+            dx = dy - xhat.mul_(both[1].view(shape))
+            dx.sub_(both[0].view(shape)).mul_(scale.view(shape))
         dw = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None
         db = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None
@@ -325,6 +326,7 @@ class PartitionedStep:
         replicated DTensor (``.to_local().backward()`` runs the backward)."""
         g, cap = self.graph, self.capture
         self.env = dict(leaves)
+        last = tofu.last_reader(g)
         gathered: dict = {}            # storage of a gathered parameter -> (its DTensor, placements)
 
         def pack(t: torch.Tensor):
@@ -377,6 +379,11 @@ class PartitionedStep:
                 d = DTensor.from_local(value, self.mesh, made, run_check=False)
                 target = tuple(_dt(p) for p in self.placement[t])
                 self.env[t] = d.redistribute(self.mesh, target) if tuple(d.placements) != target else d
+            # each value let go after its last reader, as eager autograd lets it go (what the
+            # backward reads stays with autograd)
+            for t in set(op.inputs) | set(op.outputs):
+                if t != g.loss and last.get(t, op.id) <= op.id and t not in leaves:
+                    self.env.pop(t, None)
         loss = self.env[g.loss]
         self.env = {}
         whole = tuple(Replicate() for _ in loss.placements)

@@ -36,14 +36,19 @@ total bytes = sum over levels l of 2^l x (the cut's bytes at level l).  A tensor
 one per mesh dimension, as DTensor places it on a ``(2, 2, ...)`` device mesh.
 
 **Per-device memory** is the simulator's (`device_graph`): each forward op a node with its
-outputs' bytes per device (views share their base's storage) and the converted copies of its
-inputs it keeps (gathered parameters are its workspace, and its backward's), the loss, each op's
-backward a node that reads the forward tensors it saves (its inputs, but for the ops whose
-backward reads none; its output for the ops that save it) and allocates its inputs' gradients, parameter gradients at their first accumulation;
-parameters (and optimizer state) fixed.  A parameter's gradient arrives as the op's strategy
-makes it (partial sums, or a shard) and is reduced to the parameter's placement as soon as it is
-complete (FSDP's reduce-scatter, data parallel's all-reduce): the arriving gradient is a
-transient of the backward node that accumulates it first.  The keep-everything schedule's peak is the partition's prediction;
+outputs' bytes per device (views, and dropout that drops nothing, share their base's storage),
+and beside it a node of what its backward keeps that is not its output (the converted copies of
+its inputs, a slice of the batch included; max pooling's indices; what a random op keeps,
+`drawn_bytes`), so that the output is let go after its last reader as eager autograd lets it go;
+gathered parameters are the op's workspace (and its backward's, where the backward reads them
+again); the loss; each op's backward a node that reads the forward tensors it saves (its inputs
+as it read them, but for the ops whose backward reads none or reads its output instead; its
+output for the ops that save it) and allocates its inputs' gradients, parameter gradients at
+their first accumulation; parameters (and optimizer state) fixed.  A parameter's gradient
+arrives as the op's strategy makes it (partial sums, or a shard) and is reduced to the
+parameter's placement as soon as it is complete (FSDP's reduce-scatter, data parallel's
+all-reduce): the arriving gradient is a transient of the backward node that accumulates it
+first.  The keep-everything schedule's peak is the partition's prediction;
 `remat.plan` on that graph composes the single-device planner (recompute, swap) with it.  Node
 times are a FLOP model (``FLOPS`` per second for the products, ``BYTES_PER_S`` for the rest), enough
 for the planner's trade-offs, not a measurement.
@@ -71,14 +76,14 @@ BYTES_PER_S = 1e10      # per second, every other op (read and write once)
 VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "transpose", "t", "permute", "unsqueeze", "squeeze",
          "split", "split_with_sizes", "chunk", "unbind", "slice", "select", "narrow", "expand", "alias", "detach",
          "expand_as", "lift_fresh_copy", "_assert_tensor_metadata"}
-# ops whose backward reads their own output (the rest: their inputs)
-SAVES_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "scaled_dot_product_attention",
-                "_scaled_dot_product_flash_attention_for_cpu", "tanh", "sigmoid", "exp", "native_dropout",
-                "dropout", "native_layer_norm", "_native_batch_norm_legit_functional", "relu", "relu_"}
-# ops whose backward reads none of their inputs (only their output's gradient)
+# ops whose backward reads their own output, and of those the ones that read it instead of their input
+OUTPUT_INSTEAD = {"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh", "sigmoid", "exp", "relu", "relu_"}
+SAVES_OUTPUT = OUTPUT_INSTEAD | {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+# ops whose backward reads none of their inputs (only their output's gradient, or their output)
 READS_NO_INPUT = {"add", "sub", "neg", "cat", "split", "split_with_sizes", "chunk", "contiguous", "clone", "_to_copy",
                   "sum", "mean", "slice", "select", "expand", "unsqueeze", "squeeze", "permute", "transpose", "t",
-                  "view", "reshape", "_unsafe_view", "flatten", "alias", "detach", "unbind", "narrow"}
+                  "view", "reshape", "_unsafe_view", "flatten", "alias", "detach", "unbind", "narrow",
+                  "dropout", "native_dropout"} | OUTPUT_INSTEAD    # (dropout: only its factors, `drawn_bytes`)
 # ops whose autograd saves a tensor the graph does not list: max pooling's int64 indices, one per output element
 SAVES_INDICES = {"max_pool1d", "max_pool2d", "max_pool3d"}
 HEAVY = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "convolution", "conv1d", "conv2d", "conv3d",
@@ -89,13 +94,20 @@ REPLICATED = Strategy("", (), ())   # every device runs the whole op (its placem
 
 
 def draws(op: OpInfo) -> bool:
-    """Whether `op` draws random numbers as it runs in training: dropout, and attention with
-    dropout (its ``dropout_p`` argument above 0)."""
+    """Whether `op` draws random numbers as it runs: dropout in training with a probability
+    above 0, and attention with dropout (its ``dropout_p`` argument above 0)."""
     if op.op in ("dropout", "native_dropout"):
-        return len(op.args) < 3 or op.args[2] is None or bool(op.args[2])
+        p = op.args[1] if len(op.args) > 1 and op.args[1] is not None else 0.5
+        return bool(p) and (len(op.args) < 3 or op.args[2] is None or bool(op.args[2]))
     if op.op == "scaled_dot_product_attention":
         return len(op.args) > 4 and bool(op.args[4])
     return False
+
+
+def aliases(op: OpInfo) -> bool:
+    """Whether `op`'s output is its input's storage: the views, and dropout that drops nothing
+    (evaluation, or a probability of 0: ATen returns its input)."""
+    return op.op in VIEWS or op.op == "dropout" and not draws(op)
 
 
 def drawn_bytes(g: OpGraph, op: OpInfo, ins: list, sp: "Split") -> tuple[int, int]:
@@ -283,7 +295,7 @@ def output_costs(g: OpGraph, op: OpInfo, s: Strategy, j: int, p: Placement, nbyt
     if t.grad:
         need = made if made.kind == "shard" else REPLICATE
         comm += conversion(p, need, nbytes, cpu)
-    return comm, (0 if op.op in VIEWS else per_device(p, nbytes))
+    return comm, (0 if aliases(op) else per_device(p, nbytes))
 
 
 def sync_costs(g: OpGraph, op: OpInfo, s: Strategy, shapes: dict) -> int:
@@ -634,7 +646,7 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
     producer: dict = {}
     compute = []
     for op in g.ops:
-        if op.op in VIEWS and op.inputs:
+        if aliases(op) and op.inputs:
             for t in op.outputs:
                 root[t] = root[op.inputs[0]]
                 producer[t] = producer.get(root[op.inputs[0]])
@@ -652,12 +664,13 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
     edges: set = set()
     seen_param: set = set()
     kept: dict = {}
+    converted: dict = {}       # op -> the inputs it reads converted (its backward reads the copies)
     transient: dict = {}       # op -> bytes of the parameters gathered for it (while it runs)
     back_transient: dict = {}  # op -> of those, what its backward gathers again
 
-    def add(kind, op, nbytes_, time, persistent=0, workspace=0):
+    def add(kind, op, nbytes_, time, persistent=0, workspace=0, suffix=""):
         i = len(nodes)
-        nodes.append(Node(i, f"{op.module or op.op}:{op.op}#{op.id}" + (":bwd" if kind == "backward" else ""), kind,
+        nodes.append(Node(i, f"{op.module or op.op}:{op.op}#{op.id}" + (":bwd" if kind == "backward" else suffix), kind,
                           time, int(nbytes_), int(workspace), {}, int(persistent)))
         return i
 
@@ -670,26 +683,45 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         # inputs gathered for the op: their gathered form (and its intermediate forms, while gathering)
         gathered = []
         for i, (s, t) in enumerate(zip(ins, op.inputs)):
-            if math.prod(s) > math.prod(sp.shapes[t]):
+            kind = g.tensors[t].kind
+            # a converted copy: a gathered one, or any of an activation or of the batch (a slice
+            # of a whole tensor is a copy too, which the op's backward keeps)
+            if math.prod(s) > math.prod(sp.shapes[t]) or kind in ("activation", "input") and s != sp.shapes[t]:
                 want = tuple(placed(x, "in", i) for x in sp.strategy[op.id])
                 extra = between_bytes(sp.placement[t], want, g.tensors[t].shape, g.tensors[t].itemsize)
                 again = regathered(g, op, i, sp.strategy[op.id])
-                gathered.append((math.prod(s) * g.tensors[t].itemsize, extra, g.tensors[t].kind, again))
-        copies = sum(b for b, _, kind, _ in gathered if kind == "activation")
+                gathered.append((math.prod(s) * g.tensors[t].itemsize, extra, kind, again))
+                converted.setdefault(op.id, set()).add(t)
+        copies = sum(b for b, _, kind, _ in gathered if kind in ("activation", "input"))
         transient[op.id] = sum(b + x for b, x, kind, _ in gathered if kind == "parameter") + \
-            sum(x for _, x, kind, _ in gathered if kind == "activation")
+            sum(x for _, x, kind, _ in gathered if kind in ("activation", "input"))
         back_transient[op.id] = sum(b + x for b, x, kind, again in gathered if kind == "parameter" and again)
-        kept[op.id] = copies
-        out_b = sum(nbytes[t] for t in op.outputs if root[t] == t) + copies
+        out_b = sum(nbytes[t] for t in op.outputs if root[t] == t)
+        # what the backward keeps beside the op's output: converted copies of its inputs, max
+        # pooling's indices, what a random op keeps (`drawn_bytes`)
+        for_backward = copies
         if op.op in SAVES_INDICES:
-            out_b += sum(math.prod(sp.shapes[t]) * 8 for t in op.outputs)
+            for_backward += sum(math.prod(sp.shapes[t]) * 8 for t in op.outputs)
+        if any(s is not REPLICATED and s.sync for s in sp.strategy[op.id]):
+            # synchronised statistics (`remat.distributed`): one temporary of the input's size
+            # in the forward (the squares about the mean) and in the backward (the normalised input)
+            transient[op.id] += math.prod(ins[0]) * g.tensors[op.inputs[0]].itemsize
         if draws(op):
             saved, whole = drawn_bytes(g, op, ins, sp)
-            out_b += saved
+            for_backward += saved
             if any(s is not REPLICATED for s in sp.strategy[op.id]):
                 transient[op.id] += whole       # every device draws the whole tensor, keeps its part
         kind = "loss" if op is loss else "forward"
+        if for_backward:   # a node of their own, so that the op's outputs are let go after their
+            # last reader while these wait for the backward
+            kept[op.id] = add("forward", op, for_backward, 0.0, suffix=":saved")
+            for t in op.inputs:
+                p = producer.get(root[t])
+                if p is not None:
+                    edges.add((nid[p], kept[op.id]))
         nid[op.id] = add(kind, op, out_b, t_fwd * (3 if op is loss else 1), workspace=transient[op.id])
+        if for_backward:
+            edges.add((kept[op.id], nid[op.id]))
         for t in op.inputs:
             p = producer.get(root[t])
             if p is not None:
@@ -709,15 +741,19 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         # own arriving form (the gathered copies gone by then)
         work = (max(back_transient[op.id] + arriving, arriving + between + persistent) if arriving
                 else back_transient[op.id] + persistent)
+        if any(s is not REPLICATED and s.sync for s in sp.strategy[op.id]):
+            work += math.prod(sp.used_shape(g, op, 0)) * g.tensors[op.inputs[0]].itemsize
         i = add("backward", op, grads, 2 * nodes[nid[op.id]].time, persistent, work)
         bwd[op.id] = i
         # what the backward reads: the forward's saved tensors, and its outputs' gradients
         for t in op.inputs if op.op not in READS_NO_INPUT else ():
             p = producer.get(root[t])
-            if p is not None and g.tensors[root[t]].kind == "activation":
+            if p is not None and g.tensors[root[t]].kind == "activation" and t not in converted.get(op.id, ()):
                 edges.add((nid[p], i))
-        if op.op in SAVES_OUTPUT or kept[op.id]:
+        if op.op in SAVES_OUTPUT:
             edges.add((nid[op.id], i))
+        if op.id in kept:
+            edges.add((kept[op.id], i))
     for op in forward + [loss]:
         target = bwd.get(op.id, nid[op.id])
         for t in op.inputs:

@@ -1,6 +1,7 @@
 """Partition plans run on torch.distributed (gloo, CPU processes; `remat.distributed`): the loss
-and gradients of one process, the bytes sent at the collectives equal to the plan's, and each
-rank's measured peak (the storage accounting) within 10 % of the plan's per-device prediction."""
+and gradients of one process (dropout included), the bytes sent at the collectives equal to the
+plan's, and each rank's measured peak (the storage accounting) at most 5 % above the plan's
+per-device prediction."""
 from __future__ import annotations
 
 import socket
@@ -137,13 +138,13 @@ def test_a_partitioned_step_trains_as_one_process_and_as_predicted(name, which, 
     assert all(r["loss"] == pytest.approx(head["loss"], rel=1e-6) for r in rows)
     # the bytes sent at the collectives, summed over the ranks, are the plan's
     assert sum(r["comm"] for r in rows) == head["plan_comm"]
-    # each rank's peak within 10 % of the plan's per-device prediction, never more than 10 % above
-    # it; below it by up to 15 % on the transformer (the device graph keeps saved tensors a
-    # little longer than autograd: each backward reads all its op's inputs) and 20 % on 4
-    # processes (a two-step gather's intermediate form is alive beside the result in some runs)
-    low = 0.80 if world > 2 else 0.85 if name == "gpt" else 0.90
+    # each rank's peak at most 5 % above the plan's per-device prediction, and below it by at
+    # most 5 % (15 % on the transformers: the per-device graph is conservative there, and 20 %
+    # on 4 processes: a two-step gather's intermediate form is alive beside the result in some
+    # runs, which the prediction counts)
+    low = 0.80 if world > 2 else 0.85 if name.startswith("gpt") else 0.95
     for r in rows:
-        assert low * r["plan_peak"] <= r["peak"] <= 1.10 * r["plan_peak"], r
+        assert low * r["plan_peak"] <= r["peak"] <= 1.05 * r["plan_peak"], r
 
 
 def test_a_plan_for_another_world_size_says_so():
