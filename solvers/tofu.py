@@ -154,12 +154,14 @@ def last_reader(g: OpGraph) -> dict:
     return out
 
 
-def reduces_here(g: OpGraph, op: OpInfo, t: int) -> bool:
+def reduces_here(g: OpGraph, op: OpInfo, t: int, converted: bool = False) -> bool:
     """Whether `op` is where the gradient of input `t` is converted to `t`'s placement: for an
-    activation, every reader (each converts its contribution); for a parameter, its last reader
-    only (autograd sums a tied parameter's contributions before it accumulates, and the sum is
-    reduced once; `mesh_comm` counts the other contributions)."""
-    return g.tensors[t].kind != "parameter" or last_reader(g).get(t) == op.id
+    activation, every reader (each converts its contribution); for a parameter, a reader that
+    `converted` it (the conversion's backward returns the contribution in the parameter's
+    placement) and its last reader (the contributions of readers that read it as it lies are
+    summed where it accumulates, and the sum is reduced once; `mesh_comm` counts exactly which
+    reader that is and the other contributions)."""
+    return g.tensors[t].kind != "parameter" or converted or last_reader(g).get(t) == op.id
 
 
 def rule(g: OpGraph, op: OpInfo):
@@ -281,7 +283,7 @@ def input_costs(g: OpGraph, op: OpInfo, s: Strategy, i: int, p: Placement, nbyte
             comm *= 2
     elif t.kind == "activation" and want != p:
         kept = per_device(want, nbytes)
-    if t.grad and reduces_here(g, op, op.inputs[i]):
+    if t.grad and reduces_here(g, op, op.inputs[i], want != p):
         comm += conversion(grad_placement(s, want), p, nbytes, cpu)
     return comm, kept
 
@@ -564,6 +566,14 @@ def mesh_comm(g: OpGraph, sp: Split, device_type: str = "cuda") -> int:
     does not."""
     total = 0
     m = len(sp.levels)
+    # per parameter, the last reader that reads it as it lies (no conversion): where the
+    # contributions of such readers are summed and reduced once
+    plain_last: dict = {}
+    for op in g.ops:
+        for i, t in enumerate(op.inputs):
+            if g.tensors[t].kind == "parameter" and tuple(placed(s, "in", i) for s in sp.strategy[op.id]) == \
+                    sp.placement[t]:
+                plain_last[t] = (op, i)
     for op in g.ops:
         strats = sp.strategy[op.id]
         for s in strats:           # synchronised statistics: all-reduced along that mesh dimension
@@ -581,12 +591,13 @@ def mesh_comm(g: OpGraph, sp: Split, device_type: str = "cuda") -> int:
                 c *= 2
             if info.grad:
                 grad = tuple(grad_placement(s, w) for s, w in zip(strats, want))
-                if reduces_here(g, op, t):
+                last = plain_last.get(t)
+                if info.kind != "parameter" or want != sp.placement[t] or last[0] is op:
+                    # an activation's contribution, a converted parameter's (the conversion's
+                    # backward), or the sum of the plain readers' (where it accumulates)
                     c += mesh_conversion(grad, sp.placement[t], info.shape, info.itemsize, device_type)
-                else:     # a tied parameter's other contribution, converted to the last reader's to be summed
-                    last = g.ops[last_reader(g)[t]]
-                    j = last.inputs.index(t)
-                    into = tuple(grad_placement(s2, placed(s2, "in", j)) for s2 in sp.strategy[last.id])
+                else:     # a plain reader's contribution, converted to the last one's to be summed
+                    into = tuple(grad_placement(s2, placed(s2, "in", last[1])) for s2 in sp.strategy[last[0].id])
                     c += mesh_conversion(grad, into, info.shape, info.itemsize, device_type)
             total += c
         for j, t in enumerate(op.outputs):

@@ -299,3 +299,40 @@ def test_cli_partition_writes_the_plan(tmp_path, capsys):
     capsys.readouterr()
     assert PartitionPlan.load(out).devices == 2
     assert main(["partition", "gpt2", "--devices", "3", "-o", str(out)]) == 2
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_the_cost_model_converts_in_dtensors_order(dims):
+    """`tofu.mesh_steps` (what the cost model charges, one mesh dimension at a time) is the plan
+    DTensor's own redistribution planner makes, for every pair of placements on a (2,) * dims
+    mesh (a fake process group in this process: nothing is sent)."""
+    dist = pytest.importorskip("torch.distributed")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard as DShard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from remat.solvers.partition import REPLICATE, Shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=0, world_size=2 ** dims, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,) * dims)
+        meta = TensorMeta(torch.Size((8, 8)), (8, 1), torch.float32)
+        ours = {"R": REPLICATE, "P": PARTIAL, "S0": Shard(0), "S1": Shard(1)}
+        theirs = {"R": Replicate(), "P": Partial(), "S0": DShard(0), "S1": DShard(1)}
+
+        def back(p):
+            return Shard(p.dim) if isinstance(p, DShard) else PARTIAL if isinstance(p, Partial) else REPLICATE
+        pairs = 0
+        for src in itertools.product(ours, repeat=dims):
+            for dst in itertools.product(["R", "S0", "S1"], repeat=dims):   # (no target is partial)
+                plan = _gen_transform_infos(DTensorSpec(mesh, tuple(theirs[p] for p in src), tensor_meta=meta),
+                                            DTensorSpec(mesh, tuple(theirs[p] for p in dst), tensor_meta=meta))
+                got = [(t.mesh_dim, back(t.src_dst_placements[0]), back(t.src_dst_placements[1])) for t in plan]
+                assert tofu.mesh_steps(tuple(ours[p] for p in src), tuple(ours[p] for p in dst)) == got, (src, dst)
+                pairs += 1
+        assert pairs == 4 ** dims * 3 ** dims
+    finally:
+        dist.destroy_process_group()
