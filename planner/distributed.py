@@ -43,6 +43,7 @@ own way, and a CUDA step with attention dropout differs from one process's).
 """
 from __future__ import annotations
 
+import math
 import weakref
 from pathlib import Path
 from typing import Any, Callable
@@ -229,7 +230,6 @@ def attention_with_noise(q, k, v, mask, is_causal: bool, scale, noise: torch.Ten
     """Scaled dot-product attention as ATen's math path computes it (q and k each scaled by the
     square root of the scale, a causal or given mask, softmax), its probabilities multiplied by
     `noise` (dropout's kept-and-rescaled factors, drawn elsewhere)."""
-    import math
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     root = math.sqrt(scale)
     attn = (q * root) @ (k.transpose(-2, -1) * root)
@@ -297,8 +297,7 @@ class PartitionedStep:
     def _drawn(self, op: Any, target: Any, args: tuple, kwargs: dict, strats: list) -> Any:
         """A random op (`tofu.draws`) split across the devices, drawing what one process draws:
         every device draws the whole tensor of random numbers from the same generator state, as
-        one process's op would (``aten.dropout`` of ones at the global shape: the factors
-        dropout multiplies by), and uses its own part of it."""
+        one process's op would (`dropout_factors` at the global shape), and uses its own part."""
         g = self.graph
         made = tuple(_dt(tofu.placed(s, "out", 0)) for s in strats)
         values = _bind(target, args, kwargs)

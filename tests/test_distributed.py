@@ -199,3 +199,22 @@ def test_remat_run_launches_a_partition_plan(tmp_path, capsys):
     assert main(["run", "--plan", str(plan), "--nproc", "4"]) == 2
     err = capsys.readouterr().err
     assert "the partition plan is for 2 devices, --nproc is 4" in err and len(err.strip().splitlines()) == 1
+
+
+def test_random_ops_drawn_whole_are_one_process_draws():
+    """What a split random op draws on every rank (`dropout_factors` at the global shape, attention
+    computed with them as ATen's math path computes it) is what one process's eager op draws from
+    the same generator state, bit for bit on the CPU."""
+    from remat.distributed import attention_with_noise, dropout_factors
+    x = torch.randn(4, 16, 32)
+    torch.manual_seed(5)
+    eager = F.dropout(x, 0.1, True)
+    torch.manual_seed(5)
+    assert torch.equal(x * dropout_factors(x.shape, 0.1, x), eager)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    for causal in (False, True):
+        torch.manual_seed(5)
+        eager = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=causal)
+        torch.manual_seed(5)
+        ours = attention_with_noise(q, k, v, None, causal, None, dropout_factors((2, 4, 16, 16), 0.1, q))
+        assert torch.allclose(ours, eager, atol=1e-6, rtol=0), causal
