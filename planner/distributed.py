@@ -34,7 +34,7 @@ dimensions that split it, twice in the forward and once in the backward), so eve
 normalises by the whole batch's statistics and updates the running ones as one process does.
 
 Ops whose shape arguments describe the whole tensor (``view``, ``reshape``, ``expand``) get
-their local shape.  A random op split across the devices (dropout, attention with dropout:
+their local shape; in-place ops run out of place (`out_of_place`).  A random op split across the devices (dropout, attention with dropout:
 `tofu.draws`) draws what one process draws: each device draws the whole tensor of random
 numbers from the same generator state as one process's op would, keeps its part and frees the
 rest (a transient the per-device graph counts), so with every rank seeded alike the step's loss
@@ -206,6 +206,20 @@ def synced_batch_norm(target: Any, args: tuple, kwargs: dict, mesh: Any, dims: l
     return (out, *stats, *new) if name == "_native_batch_norm_legit_functional" else (out, *stats)
 
 
+def out_of_place(target: Any) -> Any:
+    """The out-of-place overload of an in-place ATen op (``relu_`` -> ``relu``, ``add_.Tensor``
+    -> ``add.Tensor``); `target` itself for every other op.  The step is replayed on tensors
+    that DTensor's ``to_local`` returns as views made inside its autograd functions, which
+    autograd does not let an op modify; each op's output is its own tensor in the graph, so the
+    out-of-place op computes the same values."""
+    schema = getattr(target, "_schema", None)
+    first = schema.arguments[0] if schema is not None and schema.arguments else None
+    if first is None or first.alias_info is None or not first.alias_info.is_write or schema.name.endswith("_out"):
+        return target
+    packet = getattr(torch.ops.aten, target._overloadpacket.__name__.rstrip("_"), None)
+    return getattr(packet, target._overloadname, target) if packet is not None else target
+
+
 def _part(full: torch.Tensor, placements: tuple, mesh: Any) -> torch.Tensor:
     """This device's part (a copy) of `full`, a tensor the same on every device, placed
     `placements` (DTensor placements, one per mesh dimension)."""
@@ -368,7 +382,7 @@ class PartitionedStep:
                 elif tofu.draws(op) and any(s is not tofu.REPLICATED for s in strats):
                     out = self._drawn(op, node.target, args, kwargs, strats)
                 else:
-                    out = node.target(*args, **kwargs)
+                    out = out_of_place(node.target)(*args, **kwargs)
             for j, t in enumerate(op.outputs):
                 value = out[cap.tensor_nodes[t].args[1]] if isinstance(out, (list, tuple)) else out
                 made = tuple(_dt(tofu.placed(s, "out", j)) for s in strats)
