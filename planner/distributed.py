@@ -131,6 +131,11 @@ def _all_reduce(t: torch.Tensor, mesh: Any, dims: list) -> torch.Tensor:
     return t
 
 
+def _whole_count(x: torch.Tensor, dims: list) -> int:
+    """Values per channel of the whole batch whose part `x` is (split in halves along `dims`)."""
+    return x.numel() // x.shape[1] * 2 ** len(dims)
+
+
 class _SyncedBatchNorm(torch.autograd.Function):
     """Training batch norm of a part of the batch with the statistics of the whole (the sums
     all-reduced along `dims`): returns (output, mean, biased variance); its backward all-reduces
@@ -141,7 +146,7 @@ class _SyncedBatchNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps, mesh, dims):
         over = [0] + list(range(2, x.dim()))
         shape = [1, -1] + [1] * (x.dim() - 2)
-        count = x.numel() // x.shape[1] * 2 ** len(dims)
+        count = _whole_count(x, dims)
         mean = _all_reduce(x.sum(over), mesh, dims) / count
         out = x - mean.view(shape)                   # (one temporary beside it: the squares)
         var = _all_reduce(out.square().sum(over), mesh, dims) / count
@@ -191,7 +196,7 @@ def synced_batch_norm(target: Any, args: tuple, kwargs: dict, mesh: Any, dims: l
     rm, rv = values.get("running_mean"), values.get("running_var")
     momentum, eps = values["momentum"], values["eps"]
     out, mean, var = _SyncedBatchNorm.apply(x, weight, bias, eps, mesh, dims)
-    n = x.numel() // x.shape[1] * 2 ** len(dims)
+    n = _whole_count(x, dims)
     name = target._overloadpacket.__name__
     new = []
     if rm is not None:
@@ -375,7 +380,7 @@ class PartitionedStep:
                     if made.kind == "shard":
                         shape[made.dim] //= 2
                 args = (args[0], shape) + tuple(args[2:])
-            synced = [d for d, s in enumerate(strats) if s is not tofu.REPLICATED and s.sync]
+            synced = [d for d, s in enumerate(strats) if s.sync]
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 if synced:
                     out = synced_batch_norm(node.target, args, kwargs, self.mesh, synced)

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Placement", "Shard", "REPLICATE", "PARTIAL", "OpRule", "Strategy", "RULES", "strategies",
-           "memory_per_device", "redistribute_bytes", "rule_for", "letter_sizes", "LIGHT"]
+           "memory_per_device", "redistribute_bytes", "rule_for", "letter_sizes", "LIGHT", "BATCH_NORMS"]
 
 
 @dataclass(frozen=True)
@@ -203,6 +203,9 @@ LIGHT = _POINTWISE | {"layer_norm", "rms_norm", "native_layer_norm", "softmax", 
                       "cross_entropy_loss", "nll_loss", "batch_norm", "max_pool2d", "max_pool2d_with_indices",
                       "avg_pool2d", "adaptive_avg_pool2d", "opaque"}
 _HEAVY_WHY = "coupled inside the op"
+# ATen's batch norms that take statistics of their input (training); evaluation's
+# ``_native_batch_norm_legit_no_training`` uses the running ones
+BATCH_NORMS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"}
 
 
 class _Fresh:
@@ -303,8 +306,9 @@ def rule_for(op: str, ins: list, outs: list, args: tuple = ()) -> OpRule:
     fresh = _Fresh()
     ins, outs = [tuple(s) for s in ins], [tuple(s) for s in outs]
 
-    def spec(in_letters, out_letters, fixed=(), added=()):
-        return OpRule(",".join(in_letters) + "->" + ",".join(out_letters), tuple(fixed), tuple(added))
+    def spec(in_letters, out_letters, fixed=(), added=(), synced=(), stats=""):
+        return OpRule(",".join(in_letters) + "->" + ",".join(out_letters), tuple(fixed), tuple(added), tuple(synced),
+                      stats)
 
     def opaque(why="not described"):
         letters = [fresh(len(s)) for s in ins]
@@ -426,8 +430,7 @@ def rule_for(op: str, ins: list, outs: list, args: tuple = ()) -> OpRule:
                 fixed += [(ci, "grouped convolution"), (co, "grouped convolution")]
             letters = [b + ci + xs, co + ci + ws] + ([co] if len(ins) > 2 else [])
             return spec(letters, [b + co + os], fixed, added=(2,) if len(ins) > 2 else ())
-        if op in ("batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
-                  "native_batch_norm", "_native_batch_norm_legit_no_training"):
+        if op in BATCH_NORMS or op == "_native_batch_norm_legit_no_training":
             x = ins[0]
             b, c = fresh(2)
             sp = fresh(len(x) - 2)
@@ -437,8 +440,7 @@ def rule_for(op: str, ins: list, outs: list, args: tuple = ()) -> OpRule:
             training = op != "_native_batch_norm_legit_no_training" and bool(arg(3 if no_stats else 5, True))
             # training: the statistics are over the batch and space (synchronised where split);
             # evaluation: running statistics, an elementwise op
-            return OpRule(",".join(letters) + "->" + ",".join(outs_), (), (),
-                          (b,) + tuple(sp) if training else (), c if training else "")
+            return spec(letters, outs_, synced=(b,) + tuple(sp) if training else (), stats=c if training else "")
         if op in ("max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_pool2d"):
             x = ins[0]
             b, c = fresh(2)

@@ -66,8 +66,8 @@ from remat.core.graph import Graph, Node
 
 from remat.core.opgraph import OpGraph, OpInfo
 
-from .partition import (LIGHT, PARTIAL, REPLICATE, Placement, Shard, Strategy, letter_sizes, redistribute_bytes,
-                        rule_for, strategies)
+from .partition import (BATCH_NORMS, LIGHT, PARTIAL, REPLICATE, Placement, Shard, Strategy, letter_sizes,
+                        redistribute_bytes, rule_for, strategies)
 
 FORMAT = "remat.partition"
 VERSION = 1
@@ -241,9 +241,6 @@ NOT_READ_BACK = {"add", "sub", "embedding", "cat"}   # ops whose backward never 
 # backward formula computes them all): a convolution's weight is read back even where only the
 # weight's own gradient is needed
 SAVES_INPUT_AND_WEIGHT = {"convolution", "conv1d", "conv2d", "conv3d"}
-# training batch norms: ATen's backward saves the weight and the running statistics with the
-# input; the split with synchronised statistics (`remat.distributed`) saves the weight only
-BATCH_NORMS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"}
 
 
 def regathered(g: OpGraph, op: OpInfo, i: int, strats: tuple = ()) -> bool:
@@ -256,8 +253,9 @@ def regathered(g: OpGraph, op: OpInfo, i: int, strats: tuple = ()) -> bool:
     added = rule(g, op).added
     if op.op in NOT_READ_BACK or i in added:
         return False
-    if op.op in BATCH_NORMS:
-        synced = any(s is not REPLICATED and s.sync for s in strats)
+    if op.op in BATCH_NORMS:      # (training: ATen's backward saves the weight and the running
+        # statistics with the input; the synchronised split, `remat.distributed`, the weight only)
+        synced = any(s.sync for s in strats)
         wanted = any(g.tensors[t].grad for t in op.inputs)
         if len(op.inputs) != 5:      # (no affine parameters or no running statistics: positions differ)
             return wanted and not synced
@@ -305,7 +303,7 @@ def sync_costs(g: OpGraph, op: OpInfo, s: Strategy, shapes: dict) -> int:
     (`Strategy.sync`: training batch norm split along its batch or space): two of the statistics
     in the forward (the sum, then the squares about the mean), one of two such vectors in the
     backward where the input has a gradient; 0 for every other strategy."""
-    if s is REPLICATED or not s.sync:
+    if not s.sync:
         return 0
     return _sync_reduces(g, op) * conversion(PARTIAL, REPLICATE, _stats_bytes(g, op, s, shapes[op.inputs[0]]))
 
@@ -324,6 +322,12 @@ def _stats_bytes(g: OpGraph, op: OpInfo, s: Strategy, x_shape: tuple) -> int:
 def per_device(p: Placement, nbytes: int) -> int:
     """Bytes per device of a tensor of `nbytes` placed `p` in one 2-way cut."""
     return -(-nbytes // 2) if p.kind == "shard" else nbytes
+
+
+def held_factor(info, optimizer_factor: float) -> float:
+    """How many times a tensor's bytes a device holds for it: a trained parameter with its
+    gradient and optimizer state (2 + `optimizer_factor`), anything else once."""
+    return 2 + optimizer_factor if info.kind == "parameter" and info.grad else 1
 
 
 # ---- the dynamic program ----------------------------------------------------------------------
@@ -362,8 +366,7 @@ def cut(g: OpGraph, shapes: dict, lam: float = 0.0, allowed: dict | None = None,
         own = placements(shapes[t])
         return [p for p in own if p in allowed[t]] or [REPLICATE] if t in allowed else own
 
-    factor = {t: (2 + optimizer_factor if info.kind == "parameter" and info.grad else 1)
-              for t, info in g.tensors.items()}
+    factor = {t: held_factor(info, optimizer_factor) for t, info in g.tensors.items()}
     # the frontier (tensors placed and still to be read), in a fixed order; a state is the tuple
     # of their placements -> (objective, comm, memory, back pointer)
     frontier: list = []
@@ -466,6 +469,25 @@ def op_cost(g: OpGraph, shapes: dict, op: OpInfo, s: Strategy, placement: dict) 
 def evaluate(g: OpGraph, shapes: dict, placement: dict, strategy: dict) -> int:
     """Communicated bytes of a given cut (the cost `cut` minimises, lambda = 0)."""
     return sum(op_cost(g, shapes, op, strategy[op.id], placement) for op in g.ops)
+
+
+def memory_term(g: OpGraph, shapes: dict, placement: dict, strategy: dict, optimizer_factor: float = 0.0) -> int:
+    """The memory term of a given cut (bytes per device, as `cut` sums it: each tensor no op
+    makes once, `held_factor` times, and what `input_costs` and `output_costs` keep)."""
+    made = {t for op in g.ops for t in op.outputs}
+    seen: set = set()
+    total = 0
+    for op in g.ops:
+        s = strategy[op.id]
+        for i, t in enumerate(op.inputs):
+            nb = math.prod(shapes[t]) * g.tensors[t].itemsize
+            if t not in made and t not in seen:
+                seen.add(t)
+                total += held_factor(g.tensors[t], optimizer_factor) * per_device(placement[t], nb)
+            total += input_costs(g, op, s, i, placement[t], nb)[1]
+        for j, t in enumerate(op.outputs):
+            total += output_costs(g, op, s, j, placement[t], math.prod(shapes[t]) * g.tensors[t].itemsize)[1]
+    return total
 
 
 # ---- k = 2^m devices ----------------------------------------------------------------------------
@@ -577,7 +599,7 @@ def mesh_comm(g: OpGraph, sp: Split, device_type: str = "cuda") -> int:
     for op in g.ops:
         strats = sp.strategy[op.id]
         for s in strats:           # synchronised statistics: all-reduced along that mesh dimension
-            if s is not REPLICATED and s.sync:
+            if s.sync:
                 x = local_shape(g.tensors[op.inputs[0]].shape, [placed(s2, "in", 0) for s2 in strats])
                 total += 2 ** (m - 1) * _sync_reduces(g, op) * conversion(PARTIAL, REPLICATE,
                                                                            _stats_bytes(g, op, s, x))
@@ -713,7 +735,7 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         for_backward = copies
         if op.op in SAVES_INDICES:
             for_backward += sum(math.prod(sp.shapes[t]) * 8 for t in op.outputs)
-        if any(s is not REPLICATED and s.sync for s in sp.strategy[op.id]):
+        if any(s.sync for s in sp.strategy[op.id]):
             # synchronised statistics (`remat.distributed`): one temporary of the input's size
             # in the forward (the squares about the mean) and in the backward (the normalised input)
             transient[op.id] += math.prod(ins[0]) * g.tensors[op.inputs[0]].itemsize
@@ -723,20 +745,15 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
             if any(s is not REPLICATED for s in sp.strategy[op.id]):
                 transient[op.id] += whole       # every device draws the whole tensor, keeps its part
         kind = "loss" if op is loss else "forward"
+        makers = {nid[producer[root[t]]] for t in op.inputs if producer.get(root[t]) is not None}
         if for_backward:   # a node of their own, so that the op's outputs are let go after their
             # last reader while these wait for the backward
             kept[op.id] = add("forward", op, for_backward, 0.0, suffix=":saved")
-            for t in op.inputs:
-                p = producer.get(root[t])
-                if p is not None:
-                    edges.add((nid[p], kept[op.id]))
+            edges.update((m, kept[op.id]) for m in makers)
         nid[op.id] = add(kind, op, out_b, t_fwd * (3 if op is loss else 1), workspace=transient[op.id])
+        edges.update((m, nid[op.id]) for m in makers)
         if for_backward:
             edges.add((kept[op.id], nid[op.id]))
-        for t in op.inputs:
-            p = producer.get(root[t])
-            if p is not None:
-                edges.add((nid[p], nid[op.id]))
     bwd = {}
     for op in reversed(forward):
         grads = sum(nbytes[root[t]] for t in set(op.inputs)
@@ -752,7 +769,7 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         # own arriving form (the gathered copies gone by then)
         work = (max(back_transient[op.id] + arriving, arriving + between + persistent) if arriving
                 else back_transient[op.id] + persistent)
-        if any(s is not REPLICATED and s.sync for s in sp.strategy[op.id]):
+        if any(s.sync for s in sp.strategy[op.id]):
             work += math.prod(sp.used_shape(g, op, 0)) * g.tensors[op.inputs[0]].itemsize
         i = add("backward", op, grads, 2 * nodes[nid[op.id]].time, persistent, work)
         bwd[op.id] = i

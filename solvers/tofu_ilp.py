@@ -51,15 +51,6 @@ class Certificate:
     seconds: float
     result: str
 
-    @property
-    def gap(self) -> float | None:
-        """(objective - bound) / objective; 0 when proven; None without a bound."""
-        if self.proven:
-            return 0.0
-        if self.bound is None or self.objective <= 0:
-            return None
-        return max(0.0, (self.objective - self.bound) / self.objective)
-
 
 def objective(c: tofu.Cut, lam: float) -> float:
     """A cut's value in the program's objective (bytes)."""
@@ -84,12 +75,12 @@ def cut_ilp(g: OpGraph, shapes: dict, lam: float = 0.0, *, allowed: dict | None 
     for t in used:
         prob += pulp.lpSum(y[t, p] for p in cands[t]) == 1
     terms = []
-    factor = {t: (2 + optimizer_factor if g.tensors[t].kind == "parameter" and g.tensors[t].grad else 1) for t in used}
     for t in used:
         if t not in made:
             for p in cands[t]:
                 nb = math.prod(shapes[t]) * g.tensors[t].itemsize
-                terms.append(lam * factor[t] * tofu.per_device(p, nb) * y[t, p])
+                held = tofu.held_factor(g.tensors[t], optimizer_factor) * tofu.per_device(p, nb)
+                terms.append(lam * held * y[t, p])
     x: dict = {}
     strats_of: dict = {}
     for op in g.ops:
@@ -141,28 +132,9 @@ def cut_ilp(g: OpGraph, shapes: dict, lam: float = 0.0, *, allowed: dict | None 
         placement.setdefault(t, tofu.REPLICATE)
     strategy = {op.id: next(s for k, s in enumerate(strats_of[op.id]) if (x[op.id, k].varValue or 0) > 0.5) for op in g.ops}
     found = tofu.Cut(placement, strategy, tofu.evaluate(g, shapes, placement, strategy),
-                     _memory(g, shapes, placement, strategy, optimizer_factor, made), bool(info["proven"]), 0)
+                     tofu.memory_term(g, shapes, placement, strategy, optimizer_factor), bool(info["proven"]), 0)
     if warm is not None and objective(warm, lam) < objective(found, lam):
         found = warm              # (CBC stopped before it reached its own start)
     return Certificate(found, objective(found, lam), info["bound"], bool(info["proven"]), time.perf_counter() - t0,
                        info["result"])
 
-
-def _memory(g: OpGraph, shapes: dict, placement: dict, strategy: dict, optimizer_factor: float, made: set) -> int:
-    """The cut's memory term (bytes per device, as `tofu.cut` sums it)."""
-    total = 0
-    seen: set = set()
-    for op in g.ops:
-        s = strategy[op.id]
-        for i, t in enumerate(op.inputs):
-            nb = math.prod(shapes[t]) * g.tensors[t].itemsize
-            if t not in made and t not in seen:
-                seen.add(t)
-                info = g.tensors[t]
-                total += (2 + optimizer_factor if info.kind == "parameter" and info.grad else 1) * \
-                    tofu.per_device(placement[t], nb)
-            total += tofu.input_costs(g, op, s, i, placement[t], nb)[1]
-        for j, t in enumerate(op.outputs):
-            nb = math.prod(shapes[t]) * g.tensors[t].itemsize
-            total += tofu.output_costs(g, op, s, j, placement[t], nb)[1]
-    return total
