@@ -122,13 +122,20 @@ def region_device(gm: fx.GraphModule) -> torch.device:
 
 
 class OpTimes:
-    """Seconds per fx op.  ``measure=True``: the op run on `device` on real tensors of its
-    shapes, dtypes and strides (floats drawn at random, integers and booleans zero; outside the
-    fake mode, without autograd), the median of three runs after a warm-up, each distinct op and
-    arguments once per process; a random-state wrapper (``run_with_rng_state``) is timed as the op
-    it runs.  One op's inputs and outputs at a time, never more than the step holds while that op
-    runs.  Otherwise, and for an op that cannot run alone, `FlopsModel`: its FLOP count and the
-    bytes it reads and writes at the device's measured rates."""
+    """Seconds per fx op (``times(n)``) and the bytes its kernel allocates inside itself beyond
+    its outputs (``times.scratch(n)``).
+
+    ``measure=True``: the op run on `device` on real tensors of its shapes, dtypes and strides
+    (floats drawn at random, integers and booleans zero; outside the fake mode, without
+    autograd), the median of three runs after a warm-up, each distinct op and arguments once per
+    process; a random-state wrapper (``run_with_rng_state``) is timed as the op it runs.  One
+    op's inputs and outputs at a time, never more than the step holds while that op runs.  Its
+    scratch: the peak of what the allocator held during one more run, above what it held before,
+    less the op's new outputs (on the CPU the profiler's allocation events, `AllocationLog`: a
+    convolution's unfolded input, a batch norm backward's temporaries, dropout's float mask; on
+    CUDA ``max_memory_allocated``, outputs rounded to the allocator's blocks).  Otherwise, and for
+    an op that cannot run alone, `FlopsModel`: its FLOP count and the bytes it reads and writes
+    at the device's measured rates, and the scratch known by rule (`_scratch`)."""
 
     _cache: dict = {}
 
@@ -142,13 +149,18 @@ class OpTimes:
         return self.fm.time(_flops(n), read + wrote + _scratch(n))
 
     def __call__(self, n: fx.Node) -> float:
+        return self._measured(n)[0]
+
+    def scratch(self, n: fx.Node) -> int:
+        """Bytes `n`'s kernel allocates beyond its outputs while it runs (class docstring)."""
+        return self._measured(n)[1]
+
+    def _measured(self, n: fx.Node) -> tuple[float, int]:
         if n.op != "call_function" or is_alias(n):
-            return 0.0
-        if not self.measure:
-            return self.modelled(n)
+            return 0.0, 0
         op, args = _inner_op(n)
-        if op is None:
-            return self.modelled(n)
+        if not self.measure or op is None:
+            return self.modelled(n), _scratch(n)
         val = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
         args, kwargs = fx.node.map_aggregate(args, val), fx.node.map_aggregate(n.kwargs, val)
         key = (str(op), str(self.device), _signature(args), _signature(kwargs))
@@ -156,10 +168,10 @@ class OpTimes:
             try:
                 self._cache[key] = self._run(op, args, kwargs)
             except Exception:  # noqa: BLE001  (an op that cannot run on made-up values: its model)
-                self._cache[key] = self.modelled(n)
+                self._cache[key] = (self.modelled(n), _scratch(n))
         return self._cache[key]
 
-    def _run(self, op: Any, args: Any, kwargs: Any) -> float:
+    def _run(self, op: Any, args: Any, kwargs: Any) -> tuple[float, int]:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         from .profile import Timer
@@ -172,7 +184,32 @@ class OpTimes:
                 t0 = timer.mark()
                 op(*args, **kwargs)
                 out.append(timer.seconds(t0, timer.mark()))
-        return sorted(out)[1]
+            scratch = _kernel_scratch(op, args, kwargs, self.device)
+        return sorted(out)[1], scratch
+
+
+def _kernel_scratch(op: Any, args: Any, kwargs: Any, device: torch.device) -> int:
+    """Peak bytes the allocator held while `op` ran once, above what it held before, less its new
+    outputs' storages (`OpTimes`)."""
+    from .measuring import AllocationLog, block_bytes
+    ins = {storage_key(t) for t in _tensors(list(args) + list(kwargs.values()))}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = op(*args, **kwargs)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:
+        with AllocationLog() as log:
+            result = op(*args, **kwargs)
+        peak = log.peaks()[None]
+    made, seen = 0, set(ins)
+    for t in _tensors(result):
+        if storage_key(t) not in seen:
+            seen.add(storage_key(t))
+            made += block_bytes(_nbytes(t), device)
+    return max(0, int(peak) - made)
 
 
 def _signature(x: Any) -> str:
@@ -256,7 +293,7 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         groups.append({"members": [n], "kind": "backward" if back else "forward",
                        "bytes": 0 if multi else sum(_nbytes(t) for t in tensors), "ws": 0,
                        "flops": _flops(n), "lead": None, "multi": multi, "parts": {},
-                       "alloc": sum(_nbytes(t) for t in tensors), "scratch": _scratch(n)})
+                       "alloc": sum(_nbytes(t) for t in tensors), "scratch": times.scratch(n)})
         group[n] = g
     # outputs of the region: to the step's end
     out_node = next(n for n in fx_nodes if n.op == "output")
@@ -334,15 +371,21 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         extra: dict = {"ops": [n.name for n in d["members"]], "op": str(getattr(head.target, "__name__", head.target))}
         lead = d["lead"]
         if lead is not None:
-            if g in returned:
+            b = int(d["bytes"])
+            if g in returned:   # (its leader holds its bytes to the step's end: a part has no persistent bytes)
                 extra["returned"] = True
-            nodes.append(Node(i, head.name, d["kind"], 0.0, int(d["bytes"]), 0, extra, part_of=new_id[lead]))
+                b = 0
+            nodes.append(Node(i, head.name, d["kind"], 0.0, b, 0, extra, part_of=new_id[lead]))
             members.append(d["members"])
             continue
-        b, persistent = int(d["bytes"]), 0
+        b, own = int(d["bytes"]), 0
         if g in returned:
             extra["returned"] = True
-            b, persistent = 0, int(d["bytes"])
+            b, own = 0, int(d["bytes"])
+        # a returned part (a gradient of a convolution's or batch norm's backward): made while the
+        # op runs (its bytes are in the op's workspace already) and kept to the step's end
+        parts_kept = sum(groups[p]["bytes"] for p in d["parts"].values() if p in returned and not groups[p].get("dead"))
+        persistent = own + int(parts_kept)
         if d["kind"] == "forward" and i not in claimed:
             extra["unclaimed"] = True
         if any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in d["members"]):
@@ -350,10 +393,9 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         extra["flops"] = d["flops"]
         t = sum(times(n) for n in d["members"])
         # (a returned tensor is made while the op runs: its bytes are in the op's workspace too)
-        nodes.append(Node(i, head.name, d["kind"], float(t), b, int(d["ws"]) + persistent, extra,
+        nodes.append(Node(i, head.name, d["kind"], float(t), b, int(d["ws"]) + own, extra,
                           persistent_bytes=persistent))
         members.append(d["members"])
-    # (a returned part: its leader's persistence covers it only when it is the leader)
     graph = Graph(nodes, sorted(edges), fixed, {"granularity": "compiled", "name": name, "backward_edges": "saved",
                                                 "capture": "torch.compile (AOTAutograd joint graph)"})
     return JointGraph(graph, members)
@@ -404,7 +446,7 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes) -> tuple
                 if k not in live and k not in fixed:
                     new[k] = _nbytes(t)
             live.update(new)
-            peak = max(peak, sum(live.values()) + _scratch(n))
+            peak = max(peak, sum(live.values()) + times.scratch(n))
             total += times(n)
         for k in free_at.get(i, ()):
             live.pop(k, None)
