@@ -1,11 +1,28 @@
 """``remat.compiler``: the ``torch.compile`` backend of `remat.frontends.compiled` (what it does
 and its limits are there): plans each region's joint graph with `remat.plan(...,
-executor="compiled")` and hands the plan to AOTAutograd's partitioner as its tags."""
+executor="compiled")` and hands the plan to AOTAutograd's partitioner as its tags.
+
+Graph breaks.  A step torch.compile splits into regions runs them one after another: while
+region k runs, the regions before it whose backward has not run yet hold what they saved for it,
+their parameters and the outputs they returned (region k's inputs among them).  Region k is
+compiled just before its first run, so those regions are known then: region k is planned within
+its share of the budget, the budget less what they hold (`held`: the storages of their inputs
+and outputs still alive, less region k's own inputs, plus what their programs save).  Which
+regions are active is followed at run time: a region is active from its forward to its backward
+(a hook on its outputs' ``grad_fn``), and one that runs again while active starts a new step.  A
+relative budget (``"0.6x"``) is resolved against the keep-all peak of the region that starts the
+step (with nothing held) and shared in bytes by the regions after it.  What a later region's
+gradients add to an earlier region's backward is not in the earlier region's plan (it was made
+first); `RematCompiler.report` names each region's share.
+"""
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 import torch.fx as fx
 
@@ -32,9 +49,10 @@ class Region:
     plan: Any
     recomputed_ops: list
     program: Program
-    budget_bytes: int
+    budget_bytes: int     # its share: the step's budget less `held_bytes`
     tries: list
     note: str = ""
+    held_bytes: int = 0   # what the regions before it hold while it runs (module docstring)
 
     @property
     def predicted(self) -> dict:
@@ -52,7 +70,8 @@ class RematCompiler:
     `Region` after its first compile, ``.report()`` a line per region."""
 
     def __init__(self, budget: "str | int", backend: str = "inductor", solver: str = "ilp", time_limit: float = 30.0,
-                 profile: str = "measure", flops_model: FlopsModel | None = None, **options: Any):
+                 profile: str = "measure", flops_model: FlopsModel | None = None, reserve: "str | int" = 0,
+                 **options: Any):
         if backend not in BACKENDS:
             raise InvalidInputError(f"remat.compiler: backend must be one of {BACKENDS}, got {backend!r}")
         if options.get("swap"):
@@ -65,7 +84,68 @@ class RematCompiler:
         if profile not in ("measure", "flops"):
             raise InvalidInputError(f"remat.compiler: profile must be 'measure' or 'flops', got {profile!r}")
         self.profile, self.flops_model, self.options = profile, flops_model, options
+        self.reserve = parse_budget(reserve) if reserve else 0
         self.regions: list[Region] = []
+        self.step_budget: int | None = None   # bytes, once a relative budget is resolved
+        self._active: list[int] = []          # regions between their forward and their backward
+        self._touched: dict[int, tuple] = {}  # region -> (its inputs' storages, weak references to its outputs)
+        self._held, self._held_from, self._passed = 0, [], 0   # for the region being compiled (`held`)
+
+    # -- graph breaks: what the regions before a region hold ---------------------------------------
+    def held(self, inputs: list) -> tuple[int, list[int], int]:
+        """Bytes the active regions hold while a region with real `inputs` runs (module docstring),
+        those regions, and the bytes of `inputs` they returned (in their peaks and in its own)."""
+        from remat.frontends.measuring import storage_key
+        own = {storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}
+        alive: dict[int, int] = {}
+        returned: dict[int, int] = {}
+        for r in self._active:
+            ins, outs = self._touched.get(r, ({}, []))
+            alive.update(ins)
+            for ref in outs:
+                t = ref()
+                if t is not None:
+                    returned[storage_key(t)] = alive[storage_key(t)] = t.untyped_storage().nbytes()
+        saved = sum(self.regions[r].program.saved_bytes for r in self._active)
+        return (sum(b for k, b in alive.items() if k not in own) + saved, list(self._active),
+                sum(b for k, b in returned.items() if k in own))
+
+    def _ran(self, index: int, args: Any, out: Any) -> None:
+        """Region `index` ran its forward: it is active until its backward runs."""
+        from remat.frontends.measuring import storage_key
+        if not torch.is_grad_enabled():
+            return
+        if index in self._active:   # (it ran again before its backward: a new step)
+            self._active.clear()
+        # (its inputs by storage: the tensors it is called with may be short-lived aliases of
+        # parameters; its outputs by weak reference: held while the caller keeps them)
+        self._touched[index] = ({storage_key(t): t.untyped_storage().nbytes() for t in _flat(args)
+                                 if isinstance(t, torch.Tensor)},
+                                [weakref.ref(t) for t in _flat(out) if isinstance(t, torch.Tensor)])
+        fn = next((t.grad_fn for t in _flat(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        if fn is None:
+            return
+        self._active.append(index)
+
+        def done(*_: Any) -> None:
+            if index in self._active:
+                self._active.remove(index)
+        fn.register_hook(done)
+
+    def _tracked(self, compiled: Any, index: int | None):
+        """`compiled` (the backend's callable) calling `_ran` after each run of region `index`."""
+        if index is None:
+            return compiled
+        boxed = getattr(compiled, "_boxed_call", False)
+
+        def run(*args: Any):
+            # (called with a list of inputs, which a boxed callee empties, or with the inputs)
+            ins = list(args[0]) if len(args) == 1 and isinstance(args[0], list) else list(args)
+            out = compiled(*args)
+            self._ran(index, ins, out)
+            return out
+        run._boxed_call = boxed
+        return run
 
     # -- the partitioner -----------------------------------------------------------------
     def partition(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
@@ -84,14 +164,40 @@ class RematCompiler:
         gm.recompile()
         times = OpTimes(region_device(gm), measure=self.profile == "measure", flops_model=self.flops_model)
         jg = joint_graph(gm, num_fwd, name=f"region{len(self.regions)}", times=times)
-        budget = parse_budget(self.budget, jg.graph)
+        held, before = self._held, self._held_from
+        if not before or self.step_budget is None:   # (a region that starts the step)
+            self.step_budget = parse_budget(self.budget, jg.graph)
+        step_budget = self.step_budget
+        # (the region that starts the step leaves `reserve` free for the regions after a graph
+        # break: what it holds while they run is at most its own peak)
+        budget = step_budget - held if before else step_budget - self.reserve
+        if before and budget <= jg.graph.fixed_bytes:
+            raise InfeasibleBudgetError(
+                f"remat.compiler: region {len(self.regions)} (after a graph break) starts with "
+                f"{format_bytes_exact(held)} of the budget {format_bytes_exact(step_budget)} held by region(s) "
+                f"{', '.join(map(str, before))} before it, and its own parameters and inputs take "
+                f"{format_bytes_exact(jg.graph.fixed_bytes)} more: raise the budget, or remove the graph break "
+                "(fullgraph=True shows where)", budget_bytes=step_budget, min_feasible_bytes=held + jg.graph.fixed_bytes)
         target, tries, best = budget, [], None
         for _ in range(TRIES):
             try:
                 p = make_plan(jg.graph, target, self.solver, swap=False, time_limit=self.time_limit,
                               executor="compiled", **self.options)
-            except InfeasibleBudgetError:
+            except InfeasibleBudgetError as e:
                 if not tries:
+                    if held:
+                        # (a reserve r keeps the first region's peak, which holds what this region
+                        # is handed, within the budget less r)
+                        need = max(0, (e.min_feasible_bytes or 0) - self._passed)
+                        raise InfeasibleBudgetError(
+                            f"remat.compiler: region {len(self.regions)} (after a graph break) has "
+                            f"{format_bytes_exact(budget)} of the budget {format_bytes_exact(step_budget)}: region(s) "
+                            f"{', '.join(map(str, before))} before it hold {format_bytes_exact(held)} while it runs; "
+                            f"it needs at least {format_bytes_exact(e.min_feasible_bytes or 0)} of its own, so the step "
+                            f"needs {format_bytes_exact(held + (e.min_feasible_bytes or 0))}: raise the budget, pass "
+                            f"reserve={need} to remat.compiler (the region that starts the step "
+                            "then leaves that much free), or remove the graph break (fullgraph=True shows where)",
+                            budget_bytes=step_budget, min_feasible_bytes=held + (e.min_feasible_bytes or 0)) from None
                     raise
                 break
             names = set(p.predicted.get("recomputed", []))
@@ -112,19 +218,25 @@ class RematCompiler:
                 f"remat.compiler: no partition found within {format_bytes_exact(budget)} ({len(tries)} tries; the "
                 f"closest peaks at {format_bytes_exact(prog.peak_bytes)}): raise the budget",
                 budget_bytes=budget, min_feasible_bytes=prog.peak_bytes)
-        note = ""
-        if self.regions:
-            note = ("graph break: this region is planned against the whole budget too; regions whose activations "
-                    "coexist add up (compile with fullgraph=True to plan the step as one region)")
-            log.warning("remat.compiler: %s", note)
+        note = f"leaves {format_bytes_exact(self.reserve)} free for the regions after it" if self.reserve and not before else ""
+        if before:
+            note = (f"after a graph break: its share is the budget {format_bytes_exact(step_budget)} less "
+                    f"{format_bytes_exact(held)} that region(s) {', '.join(map(str, before))} hold while it runs")
+            log.info("remat.compiler: region %d %s", len(self.regions), note)
         ops = [n.name for v in jg.graph.nodes if v.id in recompute for n in jg.members[v.id]]
-        self.regions.append(Region(jg.graph, p, ops, prog, budget, tries, note))
+        self.regions.append(Region(jg.graph, p, ops, prog, budget, tries, note, held))
         log.info("remat.compiler: region %d: %d nodes, %d ops recomputed, predicted peak %d bytes (budget %d)",
                  len(self.regions) - 1, jg.graph.n, len(ops), prog.peak_bytes, budget)
         return graphs
 
     # -- the backend -------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
+        self._held, self._held_from, self._passed = self.held(example_inputs)
+        n = len(self.regions)
+        compiled = self._compile(gm, example_inputs)
+        return self._tracked(compiled, n if len(self.regions) > n else None)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list):
         if self.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
             # (no FX graph cache: a plan depends on the budget, which the cache key does not hold)
@@ -151,10 +263,17 @@ class RematCompiler:
         lines = []
         for k, r in enumerate(self.regions):
             lines.append(f"region {k}: {r.graph.n} nodes, {len(r.recomputed_ops)} ops recomputed, predicted peak "
-                         f"{format_bytes_exact(r.program.peak_bytes)} within {format_bytes_exact(r.budget_bytes)}, "
+                         f"{format_bytes_exact(r.program.peak_bytes)} within {format_bytes_exact(r.budget_bytes)}"
+                         + (" (its share)" if r.held_bytes else "") + ", "
                          f"overhead {r.predicted['overhead']:.3f}x, {r.plan.solver.get('status')}"
                          + (f" ({r.note})" if r.note else ""))
         return "\n".join(lines) or "no region compiled yet"
+
+
+def _flat(x: Any) -> list:
+    if isinstance(x, (list, tuple)):
+        return [y for a in x for y in _flat(a)]
+    return [x]
 
 
 def _partitioner(owner: RematCompiler):
@@ -171,13 +290,16 @@ def _partitioner(owner: RematCompiler):
 
 
 def compiler(budget: "str | int", backend: str = "inductor", solver: str = "ilp", **options: Any) -> RematCompiler:
-    """``remat.compiler(budget, backend="inductor", solver="ilp", time_limit=30, profile="measure")``: a
-    ``torch.compile`` backend whose partitioner follows remat's plan of each region's joint graph
-    at `budget` (bytes, ``"6GiB"``, or ``"0.5x"`` of the region's own keep-all peak).  `backend`:
-    ``"inductor"`` (code generation), ``"aot_eager"`` (the joint graph's ops as they are, run
-    eagerly) or ``"aot_eager_decomp_partition"`` (inductor's decompositions, run eagerly).
-    `profile`: op times measured on the device (``"measure"``, each distinct op once) or from
-    FLOP and byte counts (``"flops"``)."""
+    """``remat.compiler(budget, backend="inductor", solver="ilp", time_limit=30, profile="measure",
+    reserve=0)``: a ``torch.compile`` backend whose partitioner follows remat's plan of each
+    region's joint graph at `budget` (bytes, ``"6GiB"``, or ``"0.5x"`` of the keep-all peak of the
+    region that starts the step), each region after a graph break within its share (module
+    docstring).  `backend`: ``"inductor"`` (code generation), ``"aot_eager"`` (the joint graph's
+    ops as they are, run eagerly) or ``"aot_eager_decomp_partition"`` (inductor's decompositions,
+    run eagerly).  `profile`: op times measured on the device (``"measure"``, each distinct op
+    once) or from FLOP and byte counts (``"flops"``).  `reserve`: bytes the region that starts the
+    step leaves free for the regions after a graph break (the error of a region that does not fit
+    its share names what it needs)."""
     return RematCompiler(budget, backend, solver, **options)
 
 

@@ -215,3 +215,148 @@ def test_inductor_compiles_the_planned_step_within_the_prediction(reference, one
     # inductor fuses ops into fewer buffers than the joint graph has: at or below the prediction
     assert measured <= region.program.peak_bytes * 1.02
     assert region.recomputed_ops
+
+
+# ---- models beyond the MLP: batch norm and in-place ReLUs, graph breaks, transformers ----------
+
+def _allocator_peak(c, m, x):
+    from remat.frontends.measuring import measure
+    return measure(lambda: _step(c, x), meter="allocator", resident=list(m.parameters()) + [x]).peak_bytes
+
+
+def test_a_cnn_with_batch_norm_compiles_to_its_predicted_peak(one_torch_thread):
+    """ResNet-18 (batch norm, in-place ReLUs): the convolutions' and batch norms' backward return
+    several gradients each (parts of one op, kept to the step's end), and their kernels allocate
+    scratch (the unfolded input of a CPU convolution), measured with each op's time: the step's
+    measured peak is the prediction's within 1 %, at 1.0x and with recomputation."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from small_models import resnet
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(x).square().mean()
+    model, (x,) = resnet()
+    model = WithLoss(model).train()
+    eager = copy.deepcopy(model)
+    loss0 = _step(eager, x)
+    for budget in ("1.0x", "0.9x"):
+        torch._dynamo.reset()
+        m = copy.deepcopy(model)
+        rc = remat.compiler(budget, backend="aot_eager", time_limit=10)
+        c = torch.compile(m, backend=rc)
+        assert torch.equal(_step(c, x), loss0)
+        for p, q in zip(m.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-5)
+        [region] = rc.regions
+        measured = _allocator_peak(c, m, x)
+        assert measured == pytest.approx(region.program.peak_bytes, rel=0.01)
+        assert measured <= region.budget_bytes * 1.01
+        if budget != "1.0x":
+            assert region.recomputed_ops
+
+
+class Broken(torch.nn.Module):
+    """Two halves of the MLP's blocks with a graph break between them: two compiled regions."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Blocks().blocks, Blocks().blocks
+
+    def forward(self, x):
+        y = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(y).square().mean()
+
+
+def test_a_region_after_a_graph_break_is_planned_within_its_share(one_torch_thread):
+    """The second region runs while the first holds what it saved, its parameters and the batch:
+    it is planned within the budget less those bytes, so the step's measured peak is the largest
+    of (what is held + each region's predicted peak), within the budget; where the second region
+    does not fit its share, the error names the reserve that makes it fit, and that reserve does."""
+    torch.manual_seed(0)
+    model, x = Broken().train(), torch.randn(2048, 64)
+    eager = copy.deepcopy(model)
+    loss0 = _step(eager, x)
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    rc = remat.compiler(10 ** 9, backend="aot_eager", time_limit=10)
+    _step(torch.compile(m, backend=rc), x)
+    r0, r1 = rc.regions
+    # what region 0 holds while region 1 runs: its saved values, its parameters and the batch
+    own = sum(p.numel() * 4 for p in m.a.parameters()) + x.numel() * 4
+    assert r1.held_bytes == r0.program.saved_bytes + own
+    keep_all = max(r0.program.peak_bytes, r1.held_bytes + r1.program.peak_bytes)
+    budget = int(0.85 * keep_all)
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    rc = remat.compiler(budget, backend="aot_eager", time_limit=10)
+    c = torch.compile(m, backend=rc)
+    assert torch.equal(_step(c, x), loss0)
+    for p, q in zip(m.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
+    r0, r1 = rc.regions
+    assert r1.budget_bytes == budget - r1.held_bytes and r1.recomputed_ops and "share" in rc.report()
+    predicted = max(r0.program.peak_bytes, r1.held_bytes + r1.program.peak_bytes)
+    measured = _allocator_peak(c, m, x)
+    assert measured <= budget
+    assert measured == pytest.approx(predicted, rel=0.005)
+    # a budget the first region takes for itself: the second's error names the reserve it needs
+    tight = int(0.7 * keep_all)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"reserve=(\d+)") as err:
+        _step(torch.compile(copy.deepcopy(model), backend=remat.compiler(tight, backend="aot_eager", time_limit=10)), x)
+    import re
+    reserve = int(re.search(r"reserve=(\d+)", str(err.value)).group(1))
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    rc = remat.compiler(tight, backend="aot_eager", time_limit=10, reserve=reserve)
+    c = torch.compile(m, backend=rc)
+    _step(c, x)
+    assert _allocator_peak(c, m, x) <= tight
+
+
+def test_a_transformers_model_trains_compiled_with_its_own_loss(one_torch_thread):
+    """``model(input_ids=..., labels=...).loss`` of a transformers GPT-2 (dropout, tied embedding)
+    in an unchanged loop: one region (the model's loss type named, so transformers does not log
+    inside the step, a graph break), gradients equal eager autograd's, measured peak within the
+    budget and the prediction less the logits the loop drops."""
+    transformers = pytest.importorskip("transformers")
+    from remat.frontends import vision
+    vision.prepare()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, resid_pdrop=0.1,
+                                  attn_pdrop=0.1, embd_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    model.loss_type = "ForCausalLM"
+    ids = torch.randint(0, 96, (4, 32))
+
+    def step(mod):
+        for p in mod.parameters():
+            p.grad = None
+        torch.manual_seed(7)
+        loss = mod(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach()
+    eager = copy.deepcopy(model)
+    loss0 = step(eager)
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    rc = remat.compiler("0.8x", backend="aot_eager", time_limit=10)
+    c = torch.compile(m, backend=rc)
+    assert torch.equal(step(c), loss0)
+    for p, q in zip(m.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
+    [region] = rc.regions
+    assert region.recomputed_ops
+    from remat.frontends.measuring import measure
+    measured = measure(lambda: step(c), meter="allocator", resident=list(m.parameters()) + [ids]).peak_bytes
+    assert measured <= region.budget_bytes
+    # (the prediction holds the region's outputs through the backward, as a caller may; this loop
+    # drops the logits with the output object: measured is below by their 48 KiB)
+    logits = 4 * 32 * 96 * 4
+    assert measured == pytest.approx(region.program.peak_bytes - logits, abs=64)
