@@ -224,6 +224,19 @@ def _allocator_peak(c, m, x):
     return measure(lambda: _step(c, x), meter="allocator", resident=list(m.parameters()) + [x]).peak_bytes
 
 
+def _compiled_like_eager(model, x, budget, eager, loss0, atol: float, **options):
+    """A copy of `model` compiled with remat at `budget` (aot_eager), one step run: its loss equals
+    eager's `loss0` and its gradients `eager`'s within `atol`.  Returns (copy, backend, compiled)."""
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    rc = remat.compiler(budget, backend="aot_eager", time_limit=10, **options)
+    c = torch.compile(m, backend=rc)
+    assert torch.equal(_step(c, x), loss0)
+    for p, q in zip(m.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=atol)
+    return m, rc, c
+
+
 def test_a_cnn_with_batch_norm_compiles_to_its_predicted_peak(one_torch_thread):
     """ResNet-18 (batch norm, in-place ReLUs): the convolutions' and batch norms' backward return
     several gradients each (parts of one op, kept to the step's end), and their kernels allocate
@@ -245,13 +258,7 @@ def test_a_cnn_with_batch_norm_compiles_to_its_predicted_peak(one_torch_thread):
     eager = copy.deepcopy(model)
     loss0 = _step(eager, x)
     for budget in ("1.0x", "0.9x"):
-        torch._dynamo.reset()
-        m = copy.deepcopy(model)
-        rc = remat.compiler(budget, backend="aot_eager", time_limit=10)
-        c = torch.compile(m, backend=rc)
-        assert torch.equal(_step(c, x), loss0)
-        for p, q in zip(m.parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-5)
+        m, rc, c = _compiled_like_eager(model, x, budget, eager, loss0, atol=1e-5)
         [region] = rc.regions
         measured = _allocator_peak(c, m, x)
         assert measured == pytest.approx(region.program.peak_bytes, rel=0.01)
@@ -292,13 +299,7 @@ def test_a_region_after_a_graph_break_is_planned_within_its_share(one_torch_thre
     assert r1.held_bytes == r0.program.saved_bytes + own
     keep_all = max(r0.program.peak_bytes, r1.held_bytes + r1.program.peak_bytes)
     budget = int(0.85 * keep_all)
-    torch._dynamo.reset()
-    m = copy.deepcopy(model)
-    rc = remat.compiler(budget, backend="aot_eager", time_limit=10)
-    c = torch.compile(m, backend=rc)
-    assert torch.equal(_step(c, x), loss0)
-    for p, q in zip(m.parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
+    m, rc, c = _compiled_like_eager(model, x, budget, eager, loss0, atol=1e-6)
     r0, r1 = rc.regions
     assert r1.budget_bytes == budget - r1.held_bytes and r1.recomputed_ops and "share" in rc.report()
     predicted = max(r0.program.peak_bytes, r1.held_bytes + r1.program.peak_bytes)
