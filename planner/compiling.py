@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 import torch.fx as fx
 
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError
