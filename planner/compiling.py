@@ -197,6 +197,13 @@ class RematCompiler:
                             f"reserve={need} to remat.compiler (the region that starts the step "
                             "then leaves that much free), or remove the graph break (fullgraph=True shows where)",
                             budget_bytes=step_budget, min_feasible_bytes=held + (e.min_feasible_bytes or 0)) from None
+                    if self.reserve:
+                        raise InfeasibleBudgetError(
+                            f"remat.compiler: with reserve={self.reserve} the region that starts the step has "
+                            f"{format_bytes_exact(budget)} of the budget {format_bytes_exact(step_budget)}, and it needs "
+                            f"at least {format_bytes_exact(e.min_feasible_bytes or 0)}: raise the budget, or remove the "
+                            "graph break that needs the reserve (fullgraph=True shows where)", budget_bytes=step_budget,
+                            min_feasible_bytes=(e.min_feasible_bytes or 0) + self.reserve) from None
                     raise
                 break
             names = set(p.predicted.get("recomputed", []))
@@ -214,8 +221,10 @@ class RematCompiler:
         p, recompute, graphs, prog = best
         if prog.peak_bytes > budget:
             raise InfeasibleBudgetError(
-                f"remat.compiler: no partition found within {format_bytes_exact(budget)} ({len(tries)} tries; the "
-                f"closest peaks at {format_bytes_exact(prog.peak_bytes)}): raise the budget",
+                f"remat.compiler: no partition found within {format_bytes_exact(budget)}"
+                + (f" (the budget less reserve={self.reserve})" if self.reserve and not before else "")
+                + (" (its share after a graph break)" if before else "")
+                + f" ({len(tries)} tries; the closest peaks at {format_bytes_exact(prog.peak_bytes)}): raise the budget",
                 budget_bytes=budget, min_feasible_bytes=prog.peak_bytes)
         note = f"leaves {format_bytes_exact(self.reserve)} free for the regions after it" if self.reserve and not before else ""
         if before:

@@ -319,6 +319,11 @@ def test_a_region_after_a_graph_break_is_planned_within_its_share(one_torch_thre
     c = torch.compile(m, backend=rc)
     _step(c, x)
     assert _allocator_peak(c, m, x) <= tight
+    # a reserve the first region cannot leave: its error says the reserve took the room
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"with reserve=\d+ the region that starts the step"):
+        _step(torch.compile(copy.deepcopy(model), backend=remat.compiler(tight, backend="aot_eager", time_limit=5,
+                                                                         reserve=tight - 10 ** 6)), x)
 
 
 def test_a_transformers_model_trains_compiled_with_its_own_loss(one_torch_thread):
