@@ -384,7 +384,8 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             b, own = 0, int(d["bytes"])
         # a returned part (a gradient of a convolution's or batch norm's backward): made while the
         # op runs (its bytes are in the op's workspace already) and kept to the step's end
-        parts_kept = sum(groups[p]["bytes"] for p in d["parts"].values() if p in returned and not groups[p].get("dead"))
+        # (a dead part, the first, merged into its leader: its place in `returned` went to the leader)
+        parts_kept = sum(groups[p]["bytes"] for p in d["parts"].values() if p in returned)
         persistent = own + int(parts_kept)
         if d["kind"] == "forward" and i not in claimed:
             extra["unclaimed"] = True

@@ -24,11 +24,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.core.graph import Graph
 from remat.core.units import format_bytes_exact
 from remat.frontends.compiled import BACKENDS, OpTimes, Program, joint_graph, program, region_device, tag
+from remat.frontends.measuring import storage_key
 from remat.frontends.profile import FlopsModel
 
 from .budget import parse_budget
@@ -94,7 +96,6 @@ class RematCompiler:
     def held(self, inputs: list) -> tuple[int, list[int], int]:
         """Bytes the active regions hold while a region with real `inputs` runs (module docstring),
         those regions, and the bytes of `inputs` they returned (in their peaks and in its own)."""
-        from remat.frontends.measuring import storage_key
         own = {storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}
         alive: dict[int, int] = {}
         returned: dict[int, int] = {}
@@ -111,17 +112,16 @@ class RematCompiler:
 
     def _ran(self, index: int, args: Any, out: Any) -> None:
         """Region `index` ran its forward: it is active until its backward runs."""
-        from remat.frontends.measuring import storage_key
         if not torch.is_grad_enabled():
             return
         if index in self._active:   # (it ran again before its backward: a new step)
             self._active.clear()
         # (its inputs by storage: the tensors it is called with may be short-lived aliases of
         # parameters; its outputs by weak reference: held while the caller keeps them)
-        self._touched[index] = ({storage_key(t): t.untyped_storage().nbytes() for t in _flat(args)
-                                 if isinstance(t, torch.Tensor)},
-                                [weakref.ref(t) for t in _flat(out) if isinstance(t, torch.Tensor)])
-        fn = next((t.grad_fn for t in _flat(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self._touched[index] = ({storage_key(t): t.untyped_storage().nbytes() for t in tree_flatten(args)[0]
+                                 if isinstance(t, torch.Tensor)}, [weakref.ref(t) for t in outs])
+        fn = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
         if fn is None:
             return
         self._active.append(index)
@@ -276,12 +276,6 @@ class RematCompiler:
                          f"overhead {r.predicted['overhead']:.3f}x, {r.plan.solver.get('status')}"
                          + (f" ({r.note})" if r.note else ""))
         return "\n".join(lines) or "no region compiled yet"
-
-
-def _flat(x: Any) -> list:
-    if isinstance(x, (list, tuple)):
-        return [y for a in x for y in _flat(a)]
-    return [x]
 
 
 def _partitioner(owner: RematCompiler):
