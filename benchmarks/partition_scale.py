@@ -4,10 +4,13 @@ devices, and how long the search takes.
 For each case and device count, in one run: `remat.partition` (least communication, no budget;
 with ``--prove`` each level's cut solved again as an integer program, `remat.partitioning.certify`)
 and the baselines in the same cost model (data parallel, FSDP-style, Megatron-style, layer
-placement).  Per variant the bytes communicated per device per step (as DTensor runs the plan over
-NCCL, `tofu.mesh_comm`, divided by the devices) and the predicted peak per device (the simulator's
-keep-everything peak of the device graph; layer placement: its heaviest device's parameters,
-gradients and activations).  Nothing runs on a device.
+placement with one micro-batch) and layer placement pipelined over 8 micro-batches with 1F1B
+(``pipeline``, as ``remat partition --pipeline`` plans it).  Per variant the bytes communicated per
+device per step (as DTensor runs the plan over NCCL, `tofu.mesh_comm`, divided by the devices;
+layer placement: activations sent to the next stages and their gradients back, a tied parameter's
+gradient all-reduced) and the predicted peak per device (the simulator's keep-everything peak of
+the device graph; layer placement: its heaviest stage's, with the micro-batches in flight).
+Nothing runs on a device.
 
     python benchmarks/partition_scale.py                          # gpt2-12l and wide-resnet50, 2/4/8, --prove
     python benchmarks/partition_scale.py --cases gpt2-12l --devices 2,4
@@ -28,9 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from csvout import write_csv  # noqa: E402
 
-VARIANTS = ("search", "data-parallel", "fsdp", "megatron", "layers")
-COLUMNS = ("case", "ops", "devices", "variant", "comm_bytes_per_device", "peak_bytes_per_device", "seconds", "exact",
-           "proof", "note")
+VARIANTS = ("search", "data-parallel", "fsdp", "megatron", "layers", "pipeline")
+MICROBATCHES = 8
+COLUMNS = ("case", "ops", "devices", "variant", "comm_bytes_per_device", "peak_bytes_per_device", "compute_time",
+           "seconds", "exact", "proof", "note")
 
 
 def graph(name: str):
@@ -67,20 +71,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prove", action="store_true", help="do not solve the cuts again as integer programs")
     ap.add_argument("--device-type", default="cuda", choices=("cuda", "cpu"),
                     help="cost the conversions as NCCL (cuda) or gloo (cpu) runs them (default cuda)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default="benchmarks/out/partition-scale.csv")
     args = ap.parse_args(argv)
-    from remat.partitioning import baseline, partition
+    from remat.partitioning import baseline, layer_placement, partition
     rows = []
     for name in args.cases.split(","):
         t0 = time.perf_counter()
         g = graph(name)
         print(f"{name}: {len(g.ops)} ops, captured in {time.perf_counter() - t0:.1f} s", flush=True)
         for k in (int(d) for d in args.devices.split(",")):
-            for which in VARIANTS:
+            for which in args.variants.split(","):
                 t0 = time.perf_counter()
                 try:
                     if which == "search":
                         p = partition(g, k, baselines_too=False, prove=not args.no_prove, device_type=args.device_type)
+                    elif which == "pipeline":
+                        p = layer_placement(g, k, 0.0, MICROBATCHES, "1f1b")
                     else:
                         p = baseline(g, k, which, device_type=args.device_type)
                 except Exception as e:  # noqa: BLE001 - a baseline that cannot split this model is a row saying why
@@ -91,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = time.perf_counter() - t0
                 r = {"case": name, "ops": len(g.ops), "devices": k, "variant": which,
                      "comm_bytes_per_device": p.comm_bytes // k, "peak_bytes_per_device": p.peak_bytes,
+                     "compute_time": round(p.compute_time, 4),
                      "seconds": round(seconds, 2), "exact": p.search.get("exact", ""), "proof": proof(p.search)}
                 rows.append(r)
                 print(f"  x{k} {which:<14} comm {r['comm_bytes_per_device'] / 2**20:10.1f} MiB/device  peak "
-                      f"{r['peak_bytes_per_device'] / 2**20:9.1f} MiB/device  {seconds:6.1f} s  {r['proof']}", flush=True)
+                      f"{r['peak_bytes_per_device'] / 2**20:9.1f} MiB/device  step {p.compute_time * 1e3:8.1f} ms "
+                      f"(FLOP model)  {seconds:6.1f} s  {r['proof']}", flush=True)
         write_csv(args.out, COLUMNS, rows)
     return 0
 

@@ -271,6 +271,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_partition(args: argparse.Namespace) -> int:
     from .budget import parse_memory
+    if not args.pipeline and (args.microbatches is not None or args.schedule is not None):
+        raise InvalidInputError("remat partition: --microbatches and --schedule are for --pipeline (layer placement)")
+    args.schedule = args.schedule or "1f1b"
     args.budget_bytes = None if args.budget is None else parse_memory(args.budget)
     _write(args.output, lambda p: None)
     from .model_commands import run_partition  # imports torch
@@ -516,6 +519,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prove", action="store_true",
                    help="solve each level's cut again as an integer program (CBC) and say whether the search's "
                    "cut is optimal, or how far from it")
+    p.add_argument("--pipeline", action="store_true",
+                   help="layer placement instead of the split search: one run of modules a device, run over "
+                   "micro-batches by torch.distributed.pipelining")
+    p.add_argument("--microbatches", type=_positive_int, default=None,
+                   help="with --pipeline: micro-batches a step (default: --devices); the batch must divide by it")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None,
+                   help="with --pipeline: GPipe (every forward, then every backward) or 1F1B (at most k - s "
+                   "micro-batches in flight on stage s; default)")
     p.add_argument("-o", "--output", default="partition.json", metavar="PARTITION.json",
                    help="where to write the plan (default partition.json)")
     p.set_defaults(func=cmd_partition)

@@ -513,7 +513,9 @@ def launch(plan: PartitionPlan, make: Callable[[], tuple], *, steps: int = 3, lr
             mp.spawn(_rank_main, args=(plan.devices, _free_port(), plan.to_dict(), make, steps, lr, device_type,
                                        reference, timeout_s, tmp), nprocs=plan.devices, join=True)
         except mp.ProcessExitedException as e:
-            raise InvalidInputError(f"a process of the partitioned run exited ({e}); see its output above") from None
+            # (gloo can abort a process as the group is torn down, after every rank's rows came back)
+            if not (Path(tmp) / "rows.json").is_file():
+                raise InvalidInputError(f"a process of the partitioned run exited ({e}); see its output above") from None
         except mp.ProcessRaisedException:
             errors = sorted(Path(tmp).glob("error-*.txt"))
             if errors:
@@ -529,15 +531,12 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
     import json
     import logging
     import os
-    import time
 
     import torch.distributed as dist
 
     from remat.core.errors import RematError
-    from remat.frontends.base import default_loss, step_loss
     from remat.frontends.partitioning import capture_step
     from remat.frontends.profile import is_random
-    from remat.frontends.run import random_batch
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     # (DTensor warns on every two-level gather of a (2, 2) mesh, which the plan chose and costed)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -554,25 +553,13 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
         plan = PartitionPlan.from_dict(plan_dict)
         capture = capture_step(model, example)
         random = any(is_random(n) for n in capture.op_nodes)
-        mesh = mesh_for(world, device_type)
-        gen = torch.Generator().manual_seed(1)
-        rows = []
-        for k in range(steps):
-            batch = random_batch(example, gen, device)
-            ref = None
-            if reference and rank == 0:
-                # (from the generator state every rank's step then draws from: one process's numbers)
-                with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), torch.no_grad():
-                    ref = float(step_loss(model, default_loss, batch))
-            t0 = time.perf_counter()
-            got = train_step(model, batch, plan, mesh, capture=capture, meter=True)
-            seconds = time.perf_counter() - t0
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if name in got["grads"]:
-                        p -= lr * got["grads"][name].to(p.device)
-            rows.append({"step": k, "rank": rank, "loss": got["loss"], "reference_loss": ref, "random": random,
-                         "peak_bytes": got["peak_bytes"], "comm_bytes": got["comm_bytes"], "seconds": seconds})
+        if plan.search.get("pipeline"):
+            from .pipelining import train_steps
+            rows = [dict(r, random=random) for r in train_steps(model, example, plan, rank, world, device, steps, lr,
+                                                                reference)]
+        else:
+            rows = _partitioned_steps(model, example, plan, capture, world, device, device_type, steps, lr,
+                                      reference, rank, random)
         every = [None] * world if rank == 0 else None
         dist.gather_object(rows, every, dst=0)
         if rank == 0:
@@ -583,6 +570,36 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _partitioned_steps(model: torch.nn.Module, example: tuple, plan: PartitionPlan, capture: Any, world: int,
+                       device: torch.device, device_type: str, steps: int, lr: float, reference: bool,
+                       rank: int, random: bool) -> list:
+    """`launch`'s steps of a split plan on this rank (`train_step` a step, then SGD)."""
+    import time
+
+    from remat.frontends.base import default_loss, step_loss
+    from remat.frontends.run import random_batch
+    mesh = mesh_for(world, device_type)
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for k in range(steps):
+        batch = random_batch(example, gen, device)
+        ref = None
+        if reference and rank == 0:
+            # (from the generator state every rank's step then draws from: one process's numbers)
+            with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), torch.no_grad():
+                ref = float(step_loss(model, default_loss, batch))
+        t0 = time.perf_counter()
+        got = train_step(model, batch, plan, mesh, capture=capture, meter=True)
+        seconds = time.perf_counter() - t0
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in got["grads"]:
+                    p -= lr * got["grads"][name].to(p.device)
+        rows.append({"step": k, "rank": rank, "loss": got["loss"], "reference_loss": ref, "random": random,
+                     "peak_bytes": got["peak_bytes"], "comm_bytes": got["comm_bytes"], "seconds": seconds})
+    return rows
 
 
 def mesh_for(devices: int, device_type: str = "cpu") -> Any:

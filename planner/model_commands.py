@@ -283,7 +283,8 @@ def run_partitioned(args: Any, shape: tuple | None) -> int:
               + f"  sent {format_bytes(sent)} ({100 * (sent - plan.comm_bytes) / max(plan.comm_bytes, 1):+.1f}% of "
               f"predicted)  time {max(r['seconds'] for r in step) * 1e3:.4g} ms")
         for r in step:
-            err = 100 * (r["peak_bytes"] - plan.peak_bytes) / plan.peak_bytes if plan.peak_bytes else 0.0
+            predicted = r.get("predicted_peak") or plan.peak_bytes     # (a pipeline's: its stage's)
+            err = 100 * (r["peak_bytes"] - predicted) / predicted if predicted else 0.0
             print(f"  rank {r['rank']:<3} peak {format_bytes(r['peak_bytes'])} ({err:+.1f}% of predicted)  sent "
                   f"{format_bytes(r['comm_bytes'])}")
     return 0
@@ -346,8 +347,20 @@ def run_partition(args: Any) -> int:
                                      full=args.full)
     graph = op_graph(model, inputs, name=name)
     factor = {"none": 0.0, "sgd": 1.0, "adam": 2.0}[args.optimizer]
-    p = partition(graph, args.devices, args.budget_bytes, optimizer_factor=factor, recompute=not args.no_recompute,
-                  time_limit=args.time_limit, prove=args.prove)
+    if args.pipeline:
+        from .partitioning import layer_placement
+        p = layer_placement(graph, args.devices, factor, args.microbatches or args.devices, args.schedule)
+        if args.budget_bytes is not None and p.peak_bytes > args.budget_bytes:
+            from remat.core.errors import InfeasibleBudgetError
+            from remat.core.units import format_bytes
+            raise InfeasibleBudgetError(f"remat partition --pipeline: the heaviest stage peaks at "
+                                        f"{format_bytes(p.peak_bytes)}, over the budget of "
+                                        f"{format_bytes(args.budget_bytes)}; try more --microbatches, --schedule "
+                                        "1f1b, more --devices, or the split search (without --pipeline)")
+        p.budget_bytes = args.budget_bytes
+    else:
+        p = partition(graph, args.devices, args.budget_bytes, optimizer_factor=factor,
+                      recompute=not args.no_recompute, time_limit=args.time_limit, prove=args.prove)
     p.model_spec = model_spec(args.model, args.batch, parse_shape(args.input_shape), args.full)
     for line in report(p):
         print(line)

@@ -19,8 +19,10 @@ Baselines in the same cost model (`baselines`): data parallel (every op split al
 parameters whole on every device: their gradients all-reduced), FSDP-style (the same, parameters
 sharded along their first dimension: gathered for the forward and again for the backward, gradients
 reduce-scattered), Megatron-style (the batch whole on every device, ops split along any other
-index: a transformer's column- then row-split products), and layer placement (contiguous ops per
-device, balanced by their memory; one micro-batch, so a device idles while the others run).
+index: a transformer's column- then row-split products), and layer placement (contiguous modules
+per device, balanced by their memory; `layer_placement`, one micro-batch in the baseline row, so a
+device idles while the others run).  `layer_placement` with micro-batches is a plan of its own
+(``remat partition --pipeline``), run by `remat.pipelining` on `torch.distributed.pipelining`.
 
 File format (``remat.partition``, version 1): see `PartitionPlan.to_dict`.
 """
@@ -284,58 +286,46 @@ def baseline(g: tofu.OpGraph, devices: int, name: str, *, optimizer_factor: floa
     return _record(g, sp, None, optimizer_factor, {"baseline": name}, device_type=device_type)
 
 
-def layer_placement(g: tofu.OpGraph, devices: int, optimizer_factor: float = 0.0) -> PartitionPlan:
-    """Contiguous runs of ops, one per device, cut where each device's memory (its parameters with
-    gradients and optimizer state, and the activations it keeps for the backward) reaches 1/devices
-    of the total; communication: every tensor read on a later device than the one that made it,
-    sent once forward and its gradient once back."""
-    factor = 2 + optimizer_factor
-    weight = []
-    seen: set = set()
-    for op in g.ops:
-        w = 0
-        for t in op.inputs:
-            info = g.tensors[t]
-            if info.kind == "parameter" and t not in seen:
-                seen.add(t)
-                w += info.bytes * (factor if info.grad else 1)
-        if op.op not in tofu.VIEWS:
-            w += sum(g.tensors[t].bytes for t in op.outputs)
-        weight.append(w)
-    total = sum(weight)
-    device_of, acc, d = {}, 0, 0
-    loads = [0] * devices
-    for op, w in zip(g.ops, weight):
-        if acc + w / 2 > total * (d + 1) / devices and d < devices - 1:
-            d += 1
-        device_of[op.id] = d
-        loads[d] += w
-        acc += w
-    made = {t: device_of[op.id] for op in g.ops for t in op.outputs}
-    comm = 0
-    for op in g.ops:
-        for t in set(op.inputs):
-            src = made.get(t)
-            if src is not None and src != device_of[op.id]:
-                info = g.tensors[t]
-                comm += info.bytes * (2 if info.grad else 1)
-    fixed = [0] * devices
-    first_reader = {}
+def layer_placement(g: tofu.OpGraph, devices: int, optimizer_factor: float = 0.0, microbatches: int = 1,
+                    schedule: str = "gpipe") -> PartitionPlan:
+    """Contiguous runs of modules, one a device (`remat.solvers.pipeline`: stages begin at module
+    boundaries, the heaviest stage as light as it can be), run over `microbatches` micro-batches
+    with `schedule` (``"gpipe"`` or ``"1f1b"``, as `torch.distributed.pipelining` runs them:
+    `remat.pipelining`).  Per device: its stage's predicted peak (the simulator on one
+    micro-batch's step of the stage, times the micro-batches in flight), its fixed bytes;
+    communication: every tensor a later stage reads sent there and its gradient back, tied
+    parameters' gradients all-reduced over their stages; time: the slowest stage's micro-batch
+    times ``m + k - 1`` (fill and drain)."""
+    from remat.solvers import pipeline as pl
+    if schedule not in pl.SCHEDULES:
+        raise InvalidInputError(f"schedule: expected one of {', '.join(pl.SCHEDULES)}, got {schedule!r}")
+    if schedule == "1f1b" and microbatches < devices:
+        raise InvalidInputError(f"microbatches: 1F1B runs at least one micro-batch a stage ({devices}), got "
+                                f"{microbatches}; use --microbatches {devices} or more, or --schedule gpipe")
+    cuts = pl.choose_cuts(g, devices, optimizer_factor)
+    costs = pl.stage_costs(g, cuts, microbatches, schedule, optimizer_factor)
+    comm = pl.comm_bytes(g, cuts)
+    stage = pl.stage_of(g, cuts)
+    made = {t: stage[op.id] for op in g.ops for t in op.outputs}
+    first_reader: dict = {}
     for op in g.ops:
         for t in op.inputs:
-            first_reader.setdefault(t, device_of[op.id])
-    for t, info in g.tensors.items():
-        if info.kind in ("parameter", "input") and t in first_reader:
-            fixed[first_reader[t]] += info.bytes * (factor - 1 if info.kind == "parameter" and info.grad else 1)
-    peak = max(loads)
+            first_reader.setdefault(t, stage[op.id])
     tensors = [{"name": t.name, "shape": list(t.shape), "kind": t.kind,
                 "placements": [f"device {made.get(t.id, first_reader.get(t.id, 0))}"]} for t in g.tensors.values()]
     ops = [{"id": o.id, "op": o.op, "module": o.module, "spec": tofu.rule(g, o).spec,
-            "strategy": [f"device {device_of[o.id]}"]} for o in g.ops]
-    return PartitionPlan(g.meta.get("model", "model"), devices, None, comm, int(peak), int(max(fixed)), 0.0, tensors,
-                         ops, {"baseline": "layers", "loads": loads,
-                               "note": "keep-everything memory per device (parameters, gradients, optimizer "
-                                       "state, activations); one micro-batch"})
+            "strategy": [f"device {stage[o.id]}"]} for o in g.ops]
+    spec = {"split_points": [c.module for c in costs[1:]], "microbatches": microbatches, "schedule": schedule,
+            "bubble": pl.bubble(devices, microbatches),
+            "stages": [{"stage": c.stage, "first_op": c.first_op, "module": c.module, "inflight": c.inflight,
+                        "fixed_bytes": c.fixed_bytes, "held_bytes": c.held_bytes, "peak_bytes": c.peak_bytes,
+                        "microbatch_time": c.microbatch_time} for c in costs]}
+    return PartitionPlan(g.meta.get("model", "model"), devices, None, comm, max(c.peak_bytes for c in costs),
+                         max(c.fixed_bytes for c in costs), pl.step_time(costs, microbatches), tensors, ops,
+                         {"baseline": "layers", "pipeline": spec,
+                          "note": f"stages begin at modules; {microbatches} micro-batch"
+                                  f"{'es' if microbatches > 1 else ''}, {schedule}: a stage idles "
+                                  f"{100 * spec['bubble']:.0f} % of the step (fill and drain)"})
 
 
 def report(p: PartitionPlan) -> list:
@@ -345,6 +335,15 @@ def report(p: PartitionPlan) -> list:
              f"(fixed {format_bytes(p.fixed_bytes)}), communicated {format_bytes(p.comm_per_device)} per device "
              f"per step ({format_bytes(p.comm_bytes)} in all)"
              + (f", budget {format_bytes(p.budget_bytes)}" if p.budget_bytes else "")]
+    pipe = p.search.get("pipeline")
+    if pipe:
+        lines.append(f"  pipeline: {p.devices} stages, {pipe['microbatches']} micro-batches, {pipe['schedule']} (a "
+                     f"stage idles {100 * pipe['bubble']:.0f} % of the step in fill and drain)")
+        for st in pipe["stages"]:
+            lines.append(f"  stage {st['stage']}: from " + (f"module {st['module']!r}" if st["module"] else "the start")
+                         + f" (op {st['first_op']}), peak "
+                         f"{format_bytes(st['peak_bytes'])} ({st['inflight']} micro-batch"
+                         f"{'es' if st['inflight'] > 1 else ''} in flight, {format_bytes(st['held_bytes'])} each)")
     rec = p.search.get("recompute")
     if rec:
         lines.append(f"  per device the planner recomputes: predicted step {rec['overhead']:.2f}x ({rec['solver']})")

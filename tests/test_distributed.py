@@ -123,8 +123,14 @@ def _free_port():
 def _run(name, which, world):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    mp.spawn(_worker, args=(world, _free_port(), name, which, out), nprocs=world, join=True)
-    return sorted((out.get() for _ in range(world)), key=lambda r: r["rank"])
+    try:
+        mp.spawn(_worker, args=(world, _free_port(), name, which, out), nprocs=world, join=True)
+    except mp.ProcessExitedException as e:
+        # gloo can abort a process ("terminate called without an active exception") as the
+        # group is torn down; the rows it sent before are what the test checks
+        if "SIGABRT" not in str(e):
+            raise
+    return sorted((out.get(timeout=60) for _ in range(world)), key=lambda r: r["rank"])
 
 
 @pytest.mark.parametrize("name,which,world", [

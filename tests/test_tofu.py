@@ -273,7 +273,7 @@ def test_baselines_are_what_they_say():
     assert names(meg)["args_0"] == "Replicate"
     assert fsdp.peak_bytes < dp.peak_bytes
     layers = baseline(g, 2, "layers")
-    assert layers.comm_bytes > 0 and len(layers.search["loads"]) == 2
+    assert layers.comm_bytes > 0 and len(layers.search["pipeline"]["stages"]) == 2
     with pytest.raises(InvalidInputError, match="unknown"):
         baseline(g, 2, "zero-4")
 
