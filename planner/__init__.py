@@ -37,10 +37,37 @@ register_moved(MOVED_MODULES)
 
 # `remat.trace`, `remat.apply` and `remat.measure` live in remat.frontends, which imports torch:
 # loaded on first use only, so `import remat` stays torch-free
-_LAZY = {"trace": ("remat.frontends.tracing", "trace"), "apply": ("remat.frontends.applying", "apply"),
+_LAZY = {"trace": ("remat.frontends.tracing", "trace"),
          "measure": ("remat.frontends.measuring", "measure"), "capacity": ("remat.sizing", "capacity"),
          "compiler": ("remat.compiling", "compiler"),
          "partition": ("remat.partitioning", "partition")}
+
+
+def apply(model, plan, *args, **kwargs):
+    """``remat.apply(model, plan, example_inputs, loss_fn, ...)``: a `Plan` (or plan.json) ->
+    `remat.frontends.applying.apply` (its docstring: the step as the plan says, on one device);
+    a `PartitionPlan` (or partition.json), in each rank of a process group ->
+    `remat.distributed.DistributedStep` (``loss = step(*batch)`` runs the partitioned step and
+    leaves the full gradients in the model's ``.grad``)."""
+    from remat.core.errors import InvalidInputError as _Invalid
+    if not hasattr(plan, "search"):         # (a PartitionPlan has its search's record; a Plan does not)
+        if isinstance(plan, str) or hasattr(plan, "__fspath__"):
+            import json
+            try:
+                fmt = json.loads(open(plan).read()).get("format")
+            except (OSError, ValueError, AttributeError):
+                fmt = None
+            if fmt == "remat.partition":
+                from .partitioning import PartitionPlan
+                plan = PartitionPlan.load(plan)
+        if not hasattr(plan, "search"):
+            from remat.frontends.applying import apply as apply_plan
+            return apply_plan(model, plan, *args, **kwargs)
+    if kwargs.get("executor") not in (None, "interpreter"):
+        raise _Invalid("remat.apply: executor= is for single-device plans; a partition plan runs on torch.distributed")
+    kwargs.pop("executor", None)
+    from .distributed import DistributedStep
+    return DistributedStep(model, plan, *args, **kwargs)
 
 
 def __getattr__(name: str):

@@ -478,6 +478,62 @@ def train_step(model: torch.nn.Module, batch: tuple, plan: PartitionPlan, mesh: 
             "peak_bytes": box.get("peak_bytes")}
 
 
+class DistributedStep:
+    """``remat.apply(model, partition_plan, example_inputs, loss_fn)`` in each rank of an
+    initialised process group of ``plan.devices`` ranks: ``loss = step(*batch)`` runs one
+    training step as the plan says (a split plan: `train_step` on DTensor; a layer placement
+    with micro-batches: `remat.pipelining.PipelinedStep`) and leaves the model's parameters'
+    ``.grad`` set to the step's full gradients on every rank (gathered after the step, beyond the
+    plan's bytes), so ``optimizer.step()`` on the model works as in one process; the loss is a
+    float (the step is forward and backward together).  ``last`` holds the step's record (bytes
+    sent by this rank, and for a split plan per-collective counts)."""
+
+    def __init__(self, model: torch.nn.Module, plan: PartitionPlan, example_inputs: Any,
+                 loss_fn: Callable | None = None, model_inputs: int | None = None):
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            raise InvalidInputError("remat.apply: a partition plan runs in a process group; call "
+                                    "torch.distributed.init_process_group first (or use remat.distributed.launch)")
+        self.model, self.plan, self.loss_fn, self.count = model, plan, loss_fn, model_inputs
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.world != plan.devices:
+            raise InvalidInputError(f"the partition plan is for {plan.devices} devices; this process group has "
+                                    f"{self.world}: launch {plan.devices} processes")
+        batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.last: dict = {}
+        if plan.search.get("pipeline"):
+            from .pipelining import PipelinedStep
+            self.pipe = PipelinedStep(model, batch, plan, self.rank, self.world, device, loss_fn, model_inputs)
+        else:
+            from remat.frontends.partitioning import capture_step
+            self.pipe = None
+            self.capture = capture_step(model, batch, loss_fn, model_inputs)
+            self.mesh = mesh_for(self.world, device.type)
+
+    def __call__(self, *batch: Any) -> float:
+        import torch.distributed as dist
+        if self.pipe is None:
+            got = train_step(self.model, batch, self.plan, self.mesh, self.loss_fn, capture=self.capture,
+                             model_inputs=self.count)
+            grads, loss = got["grads"], got["loss"]
+            self.last = {"comm_bytes": got["comm_bytes"], "calls": got["calls"]}
+        else:
+            sent = self.pipe.counter.bytes
+            mine = self.pipe.step(batch)
+            self.last = {"comm_bytes": self.pipe.counter.bytes - sent}
+            every: list = [None] * self.world
+            dist.all_gather_object(every, ({n: g.detach().cpu() for n, g in self.pipe.gradients().items()}, mine))
+            grads = {n: g for part, _ in every for n, g in part.items()}
+            loss = next(x for _, x in every if x is not None)
+        from .pipelining import canonical_names
+        names = canonical_names(self.model)
+        for name, p in self.model.named_parameters():
+            g = grads.get(names.get(name, name), grads.get(name))
+            p.grad = None if g is None else g.to(p.device, p.dtype)
+        return float(loss)
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as sock:
