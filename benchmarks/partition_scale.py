@@ -4,8 +4,9 @@ devices, and how long the search takes.
 For each case and device count, in one run: `remat.partition` (least communication, no budget;
 with ``--prove`` each level's cut solved again as an integer program, `remat.partitioning.certify`)
 and the baselines in the same cost model (data parallel, FSDP-style, Megatron-style, layer
-placement with one micro-batch) and layer placement pipelined over 8 micro-batches with 1F1B
-(``pipeline``, as ``remat partition --pipeline`` plans it).  Per variant the bytes communicated per
+placement with one micro-batch, stages balanced by memory) and layer placement pipelined over 8
+micro-batches with 1F1B, stages balanced by time (``pipeline``, as ``remat partition --pipeline``
+plans it) or by memory (``pipeline-memory``).  Per variant the bytes communicated per
 device per step (as DTensor runs the plan over NCCL, `tofu.mesh_comm`, divided by the devices;
 layer placement: activations sent to the next stages and their gradients back, a tied parameter's
 gradient all-reduced) and the predicted peak per device (the simulator's keep-everything peak of
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from csvout import write_csv  # noqa: E402
 
-VARIANTS = ("search", "data-parallel", "fsdp", "megatron", "layers", "pipeline")
+VARIANTS = ("search", "data-parallel", "fsdp", "megatron", "layers", "pipeline", "pipeline-memory")
 MICROBATCHES = 8
 COLUMNS = ("case", "ops", "devices", "variant", "comm_bytes_per_device", "peak_bytes_per_device", "compute_time",
            "seconds", "exact", "proof", "note")
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     if which == "search":
                         p = partition(g, k, baselines_too=False, prove=not args.no_prove, device_type=args.device_type)
-                    elif which == "pipeline":
-                        p = layer_placement(g, k, 0.0, MICROBATCHES, "1f1b")
+                    elif which.startswith("pipeline"):
+                        p = layer_placement(g, k, 0.0, MICROBATCHES, "1f1b", "memory" if which.endswith("memory") else "time")
                     else:
                         p = baseline(g, k, which, device_type=args.device_type)
                 except Exception as e:  # noqa: BLE001 - a baseline that cannot split this model is a row saying why

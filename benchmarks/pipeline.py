@@ -1,9 +1,9 @@
 """Layer placement pipelined on torch.distributed.pipelining (gloo, CPU processes), predicted
 against measured.
 
-For each case, process count and schedule, in one run: ``remat.partitioning.layer_placement``
-(stages begin at modules, the heaviest stage as light as it can be; micro-batches twice the
-stages) run by `remat.pipelining.PipelinedStep` in that many processes, one step after a first
+For each case, process count, schedule and balance, in one run: ``remat.partitioning.
+layer_placement`` (stages begin at modules, the slowest (``time``) or heaviest (``memory``) stage
+as light as it can be; micro-batches twice the stages) run by `remat.pipelining.PipelinedStep` in that many processes, one step after a first
 (which makes the pipeline's receive buffers); per run the bytes sent (summed over ranks) against
 the plan's `comm_bytes`, each rank's peak (the storage accounting, the receive buffers counted as
 resident) against its stage's predicted peak, the loss and the largest gradient difference from
@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from csvout import write_csv  # noqa: E402
 
-COLUMNS = ("case", "devices", "schedule", "microbatches", "split_points", "predicted_comm", "measured_comm",
+COLUMNS = ("case", "devices", "schedule", "balance", "microbatches", "split_points", "predicted_comm", "measured_comm",
            "peak_error_min", "peak_error_max", "loss_error", "grad_err", "note")
 
 
@@ -47,7 +47,8 @@ def case(name: str):
     return model, (torch.randint(0, 256, (8, 64), generator=gen),), None, None
 
 
-def worker(rank: int, world: int, port: int, name: str, schedule: str, microbatches: int, out) -> None:
+def worker(rank: int, world: int, port: int, name: str, schedule: str, balance: str, microbatches: int,
+           out) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -58,7 +59,7 @@ def worker(rank: int, world: int, port: int, name: str, schedule: str, microbatc
         from remat.partitioning import layer_placement
         from remat.pipelining import PipelinedStep
         model, batch, loss_fn, count = case(name)
-        plan = layer_placement(op_graph(model, batch, loss_fn, count), world, 0.0, microbatches, schedule)
+        plan = layer_placement(op_graph(model, batch, loss_fn, count), world, 0.0, microbatches, schedule, balance)
         step = PipelinedStep(model, batch, plan, rank, world, torch.device("cpu"), loss_fn, count)
         step.step(batch)
         sent = step.counter.bytes
@@ -83,13 +84,13 @@ def worker(rank: int, world: int, port: int, name: str, schedule: str, microbatc
         dist.destroy_process_group()
 
 
-def run(name: str, world: int, schedule: str, microbatches: int) -> dict:
+def run(name: str, world: int, schedule: str, balance: str, microbatches: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     q = mp.get_context("spawn").Queue()
     try:
-        mp.spawn(worker, args=(world, port, name, schedule, microbatches, q), nprocs=world, join=True)
+        mp.spawn(worker, args=(world, port, name, schedule, balance, microbatches, q), nprocs=world, join=True)
     except Exception:  # noqa: BLE001 - the ranks' own messages follow
         pass
     rows = []
@@ -112,20 +113,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="mlp,cnn,cnn-bn,gpt")
     ap.add_argument("--devices", default="2,4")
     ap.add_argument("--schedules", default="1f1b,gpipe")
+    ap.add_argument("--balances", default="time,memory")
     ap.add_argument("--out", default="benchmarks/out/pipeline.csv")
     args = ap.parse_args(argv)
     rows = []
     for name in args.cases.split(","):
         for world in (int(d) for d in args.devices.split(",")):
-            for schedule in args.schedules.split(","):
+            for schedule, balance in ((s, b) for s in args.schedules.split(",") for b in args.balances.split(",")):
                 m = 2 * world
-                r = {"case": name, "devices": world, "schedule": schedule, "microbatches": m,
-                     **run(name, world, schedule, m)}
+                r = {"case": name, "devices": world, "schedule": schedule, "balance": balance, "microbatches": m,
+                     **run(name, world, schedule, balance, m)}
                 rows.append(r)
                 if "note" in r:
-                    print(f"{name} x{world} {schedule} m={m}: {r['note']}", flush=True)
+                    print(f"{name} x{world} {schedule} by {balance} m={m}: {r['note']}", flush=True)
                 else:
-                    print(f"{name} x{world} {schedule} m={m} (stages from {r['split_points']}): sent "
+                    print(f"{name} x{world} {schedule} by {balance} m={m} (stages from {r['split_points']}): sent "
                           f"{r['measured_comm']} B / {r['predicted_comm']} B predicted; peaks "
                           f"{100 * r['peak_error_min']:+.1f} .. {100 * r['peak_error_max']:+.1f} % of predicted; loss "
                           f"{r['loss_error']:.1e}, gradients {r['grad_err']:.1e} (relative) from one process's", flush=True)

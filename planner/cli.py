@@ -271,9 +271,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_partition(args: argparse.Namespace) -> int:
     from .budget import parse_memory
-    if not args.pipeline and (args.microbatches is not None or args.schedule is not None):
-        raise InvalidInputError("remat partition: --microbatches and --schedule are for --pipeline (layer placement)")
-    args.schedule = args.schedule or "1f1b"
+    if not args.pipeline and (args.microbatches is not None or args.schedule is not None or args.balance is not None):
+        raise InvalidInputError("remat partition: --microbatches, --schedule and --balance are for --pipeline (layer "
+                                "placement)")
+    args.schedule, args.balance = args.schedule or "1f1b", args.balance or "time"
     args.budget_bytes = None if args.budget is None else parse_memory(args.budget)
     _write(args.output, lambda p: None)
     from .model_commands import run_partition  # imports torch
@@ -527,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None,
                    help="with --pipeline: GPipe (every forward, then every backward) or 1F1B (at most k - s "
                    "micro-batches in flight on stage s; default)")
+    p.add_argument("--balance", choices=("time", "memory"), default=None,
+                   help="with --pipeline: make the slowest stage as fast as it can be (time, default; by memory "
+                   "instead when its peak is over --budget) or the heaviest as light (memory)")
     p.add_argument("-o", "--output", default="partition.json", metavar="PARTITION.json",
                    help="where to write the plan (default partition.json)")
     p.set_defaults(func=cmd_partition)

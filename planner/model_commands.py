@@ -349,15 +349,8 @@ def run_partition(args: Any) -> int:
     factor = {"none": 0.0, "sgd": 1.0, "adam": 2.0}[args.optimizer]
     if args.pipeline:
         from .partitioning import layer_placement
-        p = layer_placement(graph, args.devices, factor, args.microbatches or args.devices, args.schedule)
-        if args.budget_bytes is not None and p.peak_bytes > args.budget_bytes:
-            from remat.core.errors import InfeasibleBudgetError
-            from remat.core.units import format_bytes
-            raise InfeasibleBudgetError(f"remat partition --pipeline: the heaviest stage peaks at "
-                                        f"{format_bytes(p.peak_bytes)}, over the budget of "
-                                        f"{format_bytes(args.budget_bytes)}; try more --microbatches, --schedule "
-                                        "1f1b, more --devices, or the split search (without --pipeline)")
-        p.budget_bytes = args.budget_bytes
+        p = layer_placement(graph, args.devices, factor, args.microbatches or args.devices, args.schedule,
+                            args.balance, args.budget_bytes)
     else:
         p = partition(graph, args.devices, args.budget_bytes, optimizer_factor=factor,
                       recompute=not args.no_recompute, time_limit=args.time_limit, prove=args.prove)

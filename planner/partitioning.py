@@ -262,7 +262,7 @@ def baseline(g: tofu.OpGraph, devices: int, name: str, *, optimizer_factor: floa
              max_states: int = 4096, device_type: str = "cpu") -> PartitionPlan:
     """One baseline (module docstring) in the search's cost model, as a `PartitionPlan`."""
     if name == "layers":
-        return layer_placement(g, devices, optimizer_factor)
+        return layer_placement(g, devices, optimizer_factor, balance="memory")
     if name not in BASELINES:
         raise InvalidInputError(f"baseline: unknown {name!r}; expected one of {', '.join(BASELINES)}")
     g.meta["device_type"] = device_type
@@ -287,22 +287,47 @@ def baseline(g: tofu.OpGraph, devices: int, name: str, *, optimizer_factor: floa
 
 
 def layer_placement(g: tofu.OpGraph, devices: int, optimizer_factor: float = 0.0, microbatches: int = 1,
-                    schedule: str = "gpipe") -> PartitionPlan:
+                    schedule: str = "gpipe", balance: str = "time", budget: "int | str | None" = None) -> PartitionPlan:
     """Contiguous runs of modules, one a device (`remat.solvers.pipeline`: stages begin at module
-    boundaries, the heaviest stage as light as it can be), run over `microbatches` micro-batches
-    with `schedule` (``"gpipe"`` or ``"1f1b"``, as `torch.distributed.pipelining` runs them:
-    `remat.pipelining`).  Per device: its stage's predicted peak (the simulator on one
-    micro-batch's step of the stage, times the micro-batches in flight), its fixed bytes;
-    communication: every tensor a later stage reads sent there and its gradient back, tied
-    parameters' gradients all-reduced over their stages; time: the slowest stage's micro-batch
-    times ``m + k - 1`` (fill and drain)."""
+    boundaries, the heaviest stage by `balance` (``"memory"`` or ``"time"``) as light as it can
+    be), run over `microbatches` micro-batches with `schedule` (``"gpipe"`` or ``"1f1b"``, as
+    `torch.distributed.pipelining` runs them: `remat.pipelining`).  Per device: its stage's
+    predicted peak (the simulator on one micro-batch's step of the stage, times the micro-batches
+    in flight), its fixed bytes; communication: every tensor a later stage reads sent there and
+    its gradient back, tied parameters' gradients all-reduced over their stages; time: the
+    slowest stage's micro-batch times ``m + k - 1`` (fill and drain).
+
+    With a `budget` (bytes or ``"20GiB"``, per device): stages balanced by time whose heaviest
+    peak is over it are balanced by memory instead (the plan's search says so); when that is
+    over too, `InfeasibleBudgetError` names the smallest peak found."""
     from remat.solvers import pipeline as pl
     if schedule not in pl.SCHEDULES:
         raise InvalidInputError(f"schedule: expected one of {', '.join(pl.SCHEDULES)}, got {schedule!r}")
     if schedule == "1f1b" and microbatches < devices:
         raise InvalidInputError(f"microbatches: 1F1B runs at least one micro-batch a stage ({devices}), got "
                                 f"{microbatches}; use --microbatches {devices} or more, or --schedule gpipe")
-    cuts = pl.choose_cuts(g, devices, optimizer_factor)
+    from .budget import parse_memory
+    budget_bytes = None if budget is None else parse_memory(budget)
+    plan = _layers(g, devices, optimizer_factor, microbatches, schedule, balance)
+    if budget_bytes is not None and plan.peak_bytes > budget_bytes and balance == "time":
+        by_memory = _layers(g, devices, optimizer_factor, microbatches, schedule, "memory")
+        if by_memory.peak_bytes <= budget_bytes or by_memory.peak_bytes < plan.peak_bytes:
+            by_memory.search["pipeline"]["note"] = (f"stages balanced by time peak at {format_bytes(plan.peak_bytes)}, "
+                                                    "over the budget: balanced by memory instead")
+            plan = by_memory
+    if budget_bytes is not None and plan.peak_bytes > budget_bytes:
+        raise InfeasibleBudgetError(f"pipeline: the heaviest stage peaks at {format_bytes(plan.peak_bytes)}, over the "
+                                    f"budget of {format_bytes(budget_bytes)}; try more micro-batches, the 1F1B "
+                                    "schedule, more devices, or the split search (without --pipeline)",
+                                    budget_bytes, plan.peak_bytes, None, plan.fixed_bytes)
+    plan.budget_bytes = budget_bytes
+    return plan
+
+
+def _layers(g: tofu.OpGraph, devices: int, optimizer_factor: float, microbatches: int, schedule: str,
+            balance: str) -> PartitionPlan:
+    from remat.solvers import pipeline as pl
+    cuts = pl.choose_cuts(g, devices, optimizer_factor, balance)
     costs = pl.stage_costs(g, cuts, microbatches, schedule, optimizer_factor)
     comm = pl.comm_bytes(g, cuts)
     stage = pl.stage_of(g, cuts)
@@ -316,6 +341,7 @@ def layer_placement(g: tofu.OpGraph, devices: int, optimizer_factor: float = 0.0
     ops = [{"id": o.id, "op": o.op, "module": o.module, "spec": tofu.rule(g, o).spec,
             "strategy": [f"device {stage[o.id]}"]} for o in g.ops]
     spec = {"split_points": [c.module for c in costs[1:]], "microbatches": microbatches, "schedule": schedule,
+            "balance": balance,
             "bubble": pl.bubble(devices, microbatches),
             "stages": [{"stage": c.stage, "first_op": c.first_op, "module": c.module, "inflight": c.inflight,
                         "fixed_bytes": c.fixed_bytes, "held_bytes": c.held_bytes, "peak_bytes": c.peak_bytes,
@@ -337,8 +363,10 @@ def report(p: PartitionPlan) -> list:
              + (f", budget {format_bytes(p.budget_bytes)}" if p.budget_bytes else "")]
     pipe = p.search.get("pipeline")
     if pipe:
-        lines.append(f"  pipeline: {p.devices} stages, {pipe['microbatches']} micro-batches, {pipe['schedule']} (a "
-                     f"stage idles {100 * pipe['bubble']:.0f} % of the step in fill and drain)")
+        lines.append(f"  pipeline: {p.devices} stages balanced by {pipe.get('balance', 'memory')}, "
+                     f"{pipe['microbatches']} micro-batches, {pipe['schedule']} (a stage idles "
+                     f"{100 * pipe['bubble']:.0f} % of the step in fill and drain; step {p.compute_time * 1e3:.4g} ms in "
+                     "the FLOP model)" + (f"; {pipe['note']}" if pipe.get("note") else ""))
         for st in pipe["stages"]:
             lines.append(f"  stage {st['stage']}: from " + (f"module {st['module']!r}" if st["module"] else "the start")
                          + f" (op {st['first_op']}), peak "

@@ -8,9 +8,11 @@ that run an op of their own: a container such as a `ModuleList` is never called)
 PyTorch's ``pipeline(..., split_spec={fqn: SplitPoint.BEGINNING})`` cuts at.
 
 **Where the stages begin** (`choose_cuts`): k - 1 of those places, chosen by a linear-partition
-dynamic program that minimises the heaviest stage's weight (its parameters with their gradients
-and optimizer state, the bytes its ops make, and what crosses its ends: the activations it
-receives and sends, `crossing_bytes`), exact over the places.
+dynamic program that minimises the heaviest stage's weight, exact over the places: by memory (its
+parameters with their gradients and optimizer state, the bytes its ops make, and what crosses its
+ends: the activations it receives and sends, `crossing_bytes`) or by time (its ops' forward and
+backward in the FLOP model, `op_times`, and the crossing activations' copies), the pipeline's
+step being its slowest stage's.
 
 **One micro-batch's step of a stage** (`stage_graph`): the step's `OpGraph` with its batch
 dimensions divided by the micro-batch count (`microbatch_graph`, the batch followed through the
@@ -96,27 +98,52 @@ def op_weights(g: OpGraph, optimizer_factor: float = 0.0) -> list[int]:
     return out
 
 
-def choose_cuts(g: OpGraph, devices: int, optimizer_factor: float = 0.0) -> list[int]:
+def op_times(g: OpGraph) -> list[float]:
+    """Per op, its forward and backward in the FLOP model (`tofu.forward_time`, the backward
+    twice the forward; views take none)."""
+    out = []
+    for op in g.ops:
+        if tofu.aliases(op):
+            out.append(0.0)
+            continue
+        shapes = [g.tensors[t].shape for t in op.inputs], [g.tensors[t].shape for t in op.outputs]
+        out.append(3.0 * tofu.forward_time(g, op, *shapes))
+    return out
+
+
+BALANCES = ("time", "memory")
+
+
+def choose_cuts(g: OpGraph, devices: int, optimizer_factor: float = 0.0, balance: str = "memory") -> list[int]:
     """The op indices where stages 1..devices-1 begin: `devices - 1` of `stage_starts`, the
-    heaviest stage as light as it can be (module docstring)."""
+    heaviest stage as light as it can be (module docstring), by `balance`: ``"memory"`` (the
+    stage's parameters with their gradients and optimizer state, the bytes its ops make, and the
+    activations crossing its ends) or ``"time"`` (its ops' forward and backward in the FLOP
+    model, and the crossing activations copied once at `tofu.BYTES_PER_S`)."""
     if devices < 1:
         raise InvalidInputError(f"devices: expected at least 1, got {devices}")
+    if balance not in BALANCES:
+        raise InvalidInputError(f"balance: expected one of {', '.join(BALANCES)}, got {balance!r}")
     if devices == 1:
         return []
     starts = sorted(stage_starts(g))
     if len(starts) < devices - 1:
         raise InvalidInputError(f"devices: the step has {len(starts) + 1} places where a pipeline stage can begin "
                                 f"(module boundaries), fewer than {devices} stages; use fewer devices")
-    w = op_weights(g, optimizer_factor)
-    prefix = [0]
+    if balance == "memory":
+        w: list = op_weights(g, optimizer_factor)
+        cross: list = crossing_bytes(g)
+    else:
+        w = op_times(g)
+        cross = [b / tofu.BYTES_PER_S for b in crossing_bytes(g)]
+    prefix = [0.0]
     for x in w:
         prefix.append(prefix[-1] + x)
-    cross = crossing_bytes(g)
     pos = [0] + starts + [len(g.ops)]          # pos[0] is the step's start, pos[-1] its end
     n = len(pos)
     inf = float("inf")
 
-    def weight(i: int, j: int) -> int:        # the stage of ops [pos[i], pos[j]), with what crosses its ends
+    def weight(i: int, j: int) -> float:      # the stage of ops [pos[i], pos[j]), with what crosses its ends
         return prefix[pos[j]] - prefix[pos[i]] + (cross[pos[i]] if i > 0 else 0) + (cross[pos[j]] if j < n - 1 else 0)
     # best[j][c]: the lightest heaviest stage of stages covering ops [0, pos[j]) with c cuts, pos[j] the last
     best = [[inf] * devices for _ in range(n)]
@@ -351,5 +378,5 @@ def bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-__all__ = ["SCHEDULES", "stage_starts", "choose_cuts", "crossing_bytes", "op_weights", "microbatch_graph", "stage_graph", "stage_costs", "StageCost",
+__all__ = ["SCHEDULES", "BALANCES", "stage_starts", "choose_cuts", "crossing_bytes", "op_weights", "op_times", "microbatch_graph", "stage_graph", "stage_costs", "StageCost",
            "comm_bytes", "parameter_holders", "step_time", "bubble", "one_device"]

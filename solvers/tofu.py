@@ -633,6 +633,15 @@ def mesh_comm(g: OpGraph, sp: Split, device_type: str = "cuda") -> int:
 
 
 # ---- per-device memory: the simulator's graph --------------------------------------------------
+def forward_time(g: OpGraph, op: OpInfo, ins: list, outs: list) -> float:
+    """Seconds of `op`'s forward in the FLOP model, its inputs and outputs of shapes `ins` and
+    `outs`: products and attention at `FLOPS`, every op's bytes read and written at `BYTES_PER_S`.
+    Its backward is costed twice its forward."""
+    flops = _flops(op, rule(g, op), ins, outs) if op.op in HEAVY else 0.0
+    moved = sum(math.prod(s) * g.tensors[t].itemsize for s, t in zip(ins + outs, op.inputs + op.outputs))
+    return flops / FLOPS + moved / BYTES_PER_S
+
+
 def _flops(op: OpInfo, r, ins: list, outs: list) -> float:
     sizes = letter_sizes(r, ins, outs)
     out_letters = "".join(r.outputs)
@@ -710,9 +719,7 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
     for op in forward + [loss]:
         ins = [sp.used_shape(g, op, i) for i in range(len(op.inputs))]
         outs = [sp.shapes[t] for t in op.outputs]
-        flops = _flops(op, rule(g, op), ins, outs) if op.op in HEAVY else 0.0
-        moved = sum(math.prod(s) * g.tensors[t].itemsize for s, t in zip(ins + outs, op.inputs + op.outputs))
-        t_fwd = flops / FLOPS + moved / BYTES_PER_S
+        t_fwd = forward_time(g, op, ins, outs)
         # inputs gathered for the op: their gathered form (and its intermediate forms, while gathering)
         gathered = []
         for i, (s, t) in enumerate(zip(ins, op.inputs)):

@@ -4,8 +4,6 @@ plan's, and each rank's measured peak (the storage accounting) at most 5 % above
 per-device prediction."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,7 +11,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-import torch.multiprocessing as mp  # noqa: E402
+from gloo import run_partition_plan, spawn_rows  # noqa: E402
 
 F = torch.nn.functional
 
@@ -114,25 +112,6 @@ def _worker(rank, world, port, name, which, out):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(name, which, world):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    try:
-        mp.spawn(_worker, args=(world, _free_port(), name, which, out), nprocs=world, join=True)
-    except mp.ProcessExitedException as e:
-        # gloo can abort a process ("terminate called without an active exception") as the
-        # group is torn down; the rows it sent before are what the test checks
-        if "SIGABRT" not in str(e):
-            raise
-    return sorted((out.get(timeout=60) for _ in range(world)), key=lambda r: r["rank"])
-
-
 @pytest.mark.parametrize("name,which,world", [
     ("mlp", "search", 2), ("mlp", "data-parallel", 2), ("mlp", "fsdp", 2), ("mlp", "megatron", 2),
     ("mlp", "search", 4), ("mlp", "fsdp", 4),
@@ -143,7 +122,7 @@ def _run(name, which, world):
     ("resnet18", "search", 2),
 ])
 def test_a_partitioned_step_trains_as_one_process_and_as_predicted(name, which, world):
-    rows = _run(name, which, world)
+    rows = spawn_rows(_worker, world, name, which)
     head = rows[0]
     assert head["loss"] == pytest.approx(head["ref_loss"], rel=1e-5)
     assert head["grad_err"] <= 1e-5 * max(1.0, head["grad_scale"]), head
@@ -190,7 +169,6 @@ def test_remat_run_launches_a_partition_plan(tmp_path, capsys):
     """``remat partition`` then ``remat run --plan PARTITION.json``: one process a device, each
     step's loss that of one process on the same parameters and batch, the bytes sent the plan's,
     each rank's peak near the plan's; a process count other than the plan's is a one-line error."""
-    import re
 
     from remat.cli import main
     model = tmp_path / "mlp.py"
@@ -198,15 +176,8 @@ def test_remat_run_launches_a_partition_plan(tmp_path, capsys):
     plan = tmp_path / "partition.json"
     assert main(["partition", f"{model}:make", "--devices", "2", "-o", str(plan)]) == 0
     capsys.readouterr()
-    assert main(["run", "--plan", str(plan), "--steps", "2"]) == 0
-    out = capsys.readouterr().out
-    steps = re.findall(r"step (\d+)\s+loss (\S+) \(one process: (\S+)\)  sent .* \(([+-]\d+\.\d)% of predicted\)", out)
-    assert [s[0] for s in steps] == ["0", "1"], out
-    for _, loss, ref, sent in steps:
-        assert float(loss) == pytest.approx(float(ref), rel=1e-5)
-        assert sent in ("+0.0", "-0.0")
+    steps, peaks, out = run_partition_plan(main, plan, capsys)
     assert float(steps[1][1]) != float(steps[0][1])          # the parameters moved between the steps
-    peaks = [float(p) for p in re.findall(r"rank \d+\s+peak .* \(([+-]\d+\.\d)% of predicted\)", out)]
     assert len(peaks) == 4 and all(-10.0 <= p <= 10.0 for p in peaks), out
     assert main(["run", "--plan", str(plan), "--nproc", "4"]) == 2
     err = capsys.readouterr().err

@@ -6,8 +6,6 @@ peaks are within 10 % of each stage's prediction."""
 from __future__ import annotations
 
 import itertools
-import re
-import socket
 
 import pytest
 
@@ -16,8 +14,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-import torch.multiprocessing as mp  # noqa: E402
-
+from gloo import run_partition_plan, spawn_rows  # noqa: E402
 from remat.core.errors import InvalidInputError  # noqa: E402
 from remat.frontends.partitioning import op_graph  # noqa: E402
 from remat.solvers import pipeline as pl  # noqa: E402
@@ -69,12 +66,14 @@ def test_stages_begin_at_modules_that_are_called():
         assert not (g.ops[i - 1].module == name or g.ops[i - 1].module.startswith(name + "."))
 
 
-@pytest.mark.parametrize("devices", [2, 3, 4])
-def test_the_cut_is_the_lightest_heaviest_stage(devices):
-    """The dynamic program's cut equals brute force over every choice of stage beginnings."""
+@pytest.mark.parametrize("devices,balance", [(2, "memory"), (3, "memory"), (4, "memory"), (3, "time"), (4, "time")])
+def test_the_cut_is_the_lightest_heaviest_stage(devices, balance):
+    """The dynamic program's cut equals brute force over every choice of stage beginnings, by
+    memory or by time."""
+    from remat.solvers import tofu
     g = op_graph(_gpt(2), (torch.randint(0, 128, (2, 32)),))
-    w = pl.op_weights(g)
-    cross = pl.crossing_bytes(g)
+    w = pl.op_weights(g) if balance == "memory" else pl.op_times(g)
+    cross = [b if balance == "memory" else b / tofu.BYTES_PER_S for b in pl.crossing_bytes(g)]
     starts = sorted(pl.stage_starts(g))
 
     def heaviest(cuts):
@@ -82,7 +81,7 @@ def test_the_cut_is_the_lightest_heaviest_stage(devices):
         return max(sum(w[a:b]) + (cross[a] if a else 0) + (cross[b] if b < len(g.ops) else 0)
                    for a, b in zip(bounds, bounds[1:]))
     best = min(heaviest(list(c)) for c in itertools.combinations(starts, devices - 1))
-    assert heaviest(pl.choose_cuts(g, devices)) == best
+    assert heaviest(pl.choose_cuts(g, devices, balance=balance)) == pytest.approx(best, rel=1e-12)
 
 
 def test_micro_batches_divide_the_batch_and_in_flight_ones_cost_memory():
@@ -106,6 +105,24 @@ def test_micro_batches_divide_the_batch_and_in_flight_ones_cost_memory():
     boundary = sum(g.tensors[t].bytes * 2 for t in {t for op in g.ops[cuts[0]:] for t in op.inputs}
                    if t in pl.producers(g) and pl.producers(g)[t] < cuts[0])
     assert pl.comm_bytes(g, cuts) == boundary + 2 * g.tensors[wte].bytes
+
+
+def test_time_balanced_stages_are_faster_and_a_budget_moves_them_to_memory():
+    """Balanced by time, the pipelined step (FLOP model) is no slower than balanced by memory;
+    under a budget only the memory-balanced stages meet, the plan balances by memory and says
+    so; under one neither meets, one line names the smallest peak."""
+    from remat.core.errors import InfeasibleBudgetError
+    from remat.partitioning import layer_placement
+    g = op_graph(_gpt(), (torch.randint(0, 128, (8, 32)),))
+    by_time = layer_placement(g, 4, 0.0, 8, "1f1b", "time")
+    by_memory = layer_placement(g, 4, 0.0, 8, "1f1b", "memory")
+    assert by_time.compute_time <= by_memory.compute_time
+    assert by_memory.peak_bytes <= by_time.peak_bytes
+    if by_memory.peak_bytes < by_time.peak_bytes:
+        p = layer_placement(g, 4, 0.0, 8, "1f1b", "time", budget=by_memory.peak_bytes)
+        assert p.search["pipeline"]["balance"] == "memory" and "balanced by memory instead" in p.search["pipeline"]["note"]
+    with pytest.raises(InfeasibleBudgetError, match="the heaviest stage peaks at .* over the budget of 1.00 KiB"):
+        layer_placement(g, 4, 0.0, 8, "1f1b", "time", budget=1024)
 
 
 def test_a_loss_that_couples_the_examples_is_named():
@@ -158,30 +175,11 @@ def _worker(rank, world, port, name, microbatches, schedule, out):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(name, world, microbatches, schedule):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    try:
-        mp.spawn(_worker, args=(world, _free_port(), name, microbatches, schedule, out), nprocs=world, join=True)
-    except mp.ProcessExitedException as e:
-        # gloo can abort a process ("terminate called without an active exception") as the
-        # group is torn down; the rows it sent before are what the test checks
-        if "SIGABRT" not in str(e):
-            raise
-    return sorted((out.get(timeout=60) for _ in range(world)), key=lambda r: r["rank"])
-
-
 @pytest.mark.parametrize("name,world,microbatches,schedule", [
     ("gpt", 2, 4, "1f1b"), ("gpt", 2, 2, "gpipe"), ("gpt", 4, 4, "1f1b"), ("classifier", 2, 4, "1f1b"),
 ])
 def test_a_pipelined_step_trains_as_one_process_and_as_predicted(name, world, microbatches, schedule):
-    rows = _run(name, world, microbatches, schedule)
+    rows = spawn_rows(_worker, world, name, microbatches, schedule)
     last = rows[-1]
     assert last["loss"] == pytest.approx(last["ref_loss"], rel=1e-5)
     assert all(r["loss"] is None for r in rows[:-1])
@@ -220,20 +218,13 @@ def test_remat_partition_pipeline_then_remat_run(tmp_path, capsys):
     assert main(["partition", f"{model}:make", "--devices", "2", "--pipeline", "--microbatches", "4",
                  "-o", str(plan)]) == 0
     out = capsys.readouterr().out
-    assert "pipeline: 2 stages, 4 micro-batches, 1f1b" in out and "stage 1: from module" in out
-    assert main(["run", "--plan", str(plan), "--steps", "2"]) == 0
-    out = capsys.readouterr().out
-    steps = re.findall(r"step (\d+)\s+loss (\S+) \(one process: (\S+)\)  sent .* \(([+-]\d+\.\d)% of predicted\)", out)
-    assert [s[0] for s in steps] == ["0", "1"], out
-    for _, loss, ref, sent in steps:
-        assert float(loss) == pytest.approx(float(ref), rel=1e-5)
-        assert sent in ("+0.0", "-0.0")
-    peaks = [float(p) for p in re.findall(r"rank \d+\s+peak .* \(([+-]\d+\.\d)% of predicted\)", out)]
+    assert "pipeline: 2 stages balanced by time, 4 micro-batches, 1f1b" in out and "stage 1: from module" in out
+    steps, peaks, out = run_partition_plan(main, plan, capsys)
     assert len(peaks) == 4 and all(-10.0 <= p <= 10.0 for p in peaks[2:]), out
     for argv, message in [
         (["--devices", "2", "--pipeline", "--microbatches", "3"], "does not split into 3 equal micro-batches"),
         (["--devices", "4", "--pipeline", "--microbatches", "2"], "1F1B runs at least one micro-batch a stage"),
-        (["--devices", "2", "--microbatches", "2"], "--microbatches and --schedule are for --pipeline"),
+        (["--devices", "2", "--microbatches", "2"], "--microbatches, --schedule and --balance are for --pipeline"),
     ]:
         assert main(["partition", f"{model}:make", *argv, "-o", str(tmp_path / "x.json")]) == 2
         err = capsys.readouterr().err
@@ -278,14 +269,7 @@ def _apply_worker(rank, world, port, which, out):
 def test_remat_apply_runs_a_partition_plan_in_the_users_loop(which):
     """``step = remat.apply(model, partition_plan, batch, loss_fn)`` in each rank; the user's
     loop (`zero_grad`, ``loss = step(*batch)``, `optimizer.step()`) trains as one process does."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    try:
-        mp.spawn(_apply_worker, args=(2, _free_port(), which, out), nprocs=2, join=True)
-    except mp.ProcessExitedException as e:
-        if "SIGABRT" not in str(e):      # (gloo's teardown abort, after the rows were sent)
-            raise
-    rows = [out.get(timeout=60) for _ in range(2)]
+    rows = spawn_rows(_apply_worker, 2, which)
     for r in rows:
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), r
         assert r["param_err"] <= 1e-5, r
