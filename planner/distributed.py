@@ -280,7 +280,10 @@ class PartitionedStep:
         """{tensor id: DTensor} for the parameters and the batch from `values` (tensor id -> the
         full tensor, the same on every rank); parameters that train are leaves requiring grad."""
         out = {}
+        read = {t for op in self.graph.ops for t in op.inputs}
         for t, v in values.items():
+            if t not in read:      # (a tied parameter's other name: nothing reads it, it is not placed)
+                continue
             d = distribute_tensor(v.detach(), self.mesh, [_dt(p) for p in self.placement[t]])
             info = self.graph.tensors[t]
             if info.kind == "parameter" and info.grad:

@@ -712,7 +712,7 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
 
     def add(kind, op, nbytes_, time, persistent=0, workspace=0, suffix=""):
         i = len(nodes)
-        nodes.append(Node(i, f"{op.module or op.op}:{op.op}#{op.id}" + (":bwd" if kind == "backward" else suffix), kind,
+        nodes.append(Node(i, f"{op.module or op.op}:{op.op}#{op.id}" + (":bwd" if kind == "backward" else "") + suffix, kind,
                           time, int(nbytes_), int(workspace), {}, int(persistent)))
         return i
 
@@ -768,18 +768,23 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         params = [t for t in set(op.inputs) if g.tensors[root[t]].kind == "parameter" and g.tensors[t].grad]
         first = [t for t in params if root[t] not in seen_param]
         seen_param.update(root[t] for t in params)
-        persistent = sum(nbytes[root[t]] for t in first)
-        reductions = [_arrival_bytes(g, sp, op, i) for i, t in enumerate(op.inputs) if t in first]
-        arriving, between = sum(a for a, _ in reductions), sum(b for _, b in reductions)
+        reductions = {t: _arrival_bytes(g, sp, op, i) for i, t in enumerate(op.inputs) if t in first}
+        in_place = sum(nbytes[root[t]] for t in first if reductions[t][0] == 0)
+        reduced = sum(nbytes[root[t]] for t in first if reductions[t][0] > 0)
+        arriving, between = sum(a for a, _ in reductions.values()), sum(b for _, b in reductions.values())
         # its workspace covers its persistent bytes while it runs (`remat.core.simulate`): the
-        # gradients arrive beside the parameters gathered again, then are reduced beside their
-        # own arriving form (the gathered copies gone by then)
-        work = (max(back_transient[op.id] + arriving, arriving + between + persistent) if arriving
-                else back_transient[op.id] + persistent)
+        # gradients arrive beside the parameters gathered again (the ones that arrive in place
+        # are the parameters' gradients at once)
+        work = back_transient[op.id] + arriving + in_place
         if any(s.sync for s in sp.strategy[op.id]):
             work += math.prod(sp.used_shape(g, op, 0)) * g.tensors[op.inputs[0]].itemsize
-        i = add("backward", op, grads, 2 * nodes[nid[op.id]].time, persistent, work)
+        i = add("backward", op, grads, 2 * nodes[nid[op.id]].time, in_place, work)
         bwd[op.id] = i
+        if arriving:
+            # then, once autograd has let the op's saved inputs go (the hook that reduces a
+            # gradient runs after its accumulation), reduced beside their own arriving form
+            r = add("backward", op, 0, 0.0, reduced, arriving + between + reduced, suffix=":reduce")
+            edges.add((i, r))
         # what the backward reads: the forward's saved tensors, and its outputs' gradients
         for t in op.inputs if op.op not in READS_NO_INPUT else ():
             p = producer.get(root[t])
@@ -795,9 +800,11 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
             p = producer.get(root[t])
             if p is not None and p in bwd and g.tensors[t].grad:
                 edges.add((target, bwd[p]))
+    # (a tensor no op reads, a tied parameter's other name, say, is not on the device)
+    read = {t for op in g.ops for t in op.inputs}
     fixed = sum(nbytes[t] * (1 + (optimizer_factor if info.grad else 0)) for t, info in g.tensors.items()
-                if info.kind == "parameter" and root[t] == t)
-    fixed += sum(nbytes[t] for t, info in g.tensors.items() if info.kind == "input" and root[t] == t)
+                if info.kind == "parameter" and root[t] == t and t in read)
+    fixed += sum(nbytes[t] for t, info in g.tensors.items() if info.kind == "input" and root[t] == t and t in read)
     meta = {"model": name or g.meta.get("model", "partition"), "granularity": "partition", "devices": sp.devices,
             "source": "remat.solvers.tofu.device_graph"}
     return Graph(nodes, sorted(edges), fixed, meta)

@@ -130,10 +130,9 @@ def test_a_partitioned_step_trains_as_one_process_and_as_predicted(name, which, 
     # the bytes sent at the collectives, summed over the ranks, are the plan's
     assert sum(r["comm"] for r in rows) == head["plan_comm"]
     # each rank's peak at most 5 % above the plan's per-device prediction, and below it by at
-    # most 5 % (15 % on the transformers: the per-device graph is conservative there, and 20 %
-    # on 4 processes: a two-step gather's intermediate form is alive beside the result in some
-    # runs, which the prediction counts)
-    low = 0.80 if world > 2 else 0.85 if name.startswith("gpt") else 0.95
+    # most 5 % (10 % on the transformers, and 20 % on 4 processes: a two-step gather's
+    # intermediate form is alive beside the result in some runs, which the prediction counts)
+    low = 0.80 if world > 2 else 0.90 if name.startswith("gpt") else 0.95
     for r in rows:
         assert low * r["plan_peak"] <= r["peak"] <= 1.05 * r["plan_peak"], r
 
