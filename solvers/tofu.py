@@ -84,6 +84,7 @@ READS_NO_INPUT = {"add", "sub", "neg", "cat", "split", "split_with_sizes", "chun
                   "sum", "mean", "slice", "select", "expand", "unsqueeze", "squeeze", "permute", "transpose", "t",
                   "view", "reshape", "_unsafe_view", "flatten", "alias", "detach", "unbind", "narrow",
                   "dropout", "native_dropout"} | OUTPUT_INSTEAD    # (dropout: only its factors, `drawn_bytes`)
+SCALED = {"mul", "div"}     # by a number when they have one tensor input (`reads_inputs`)
 # ops whose autograd saves a tensor the graph does not list: max pooling's int64 indices, one per output element
 SAVES_INDICES = {"max_pool1d", "max_pool2d", "max_pool3d"}
 HEAVY = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "convolution", "conv1d", "conv2d", "conv3d",
@@ -102,6 +103,14 @@ def draws(op: OpInfo) -> bool:
     if op.op == "scaled_dot_product_attention":
         return len(op.args) > 4 and bool(op.args[4])
     return False
+
+
+def reads_inputs(op: OpInfo) -> bool:
+    """Whether `op`'s backward reads its inputs: not for `READS_NO_INPUT`, nor for a product or
+    quotient by a number (one tensor input: its gradient is the incoming one scaled)."""
+    if op.op in READS_NO_INPUT:
+        return False
+    return not (op.op in SCALED and len(op.inputs) == 1)
 
 
 def aliases(op: OpInfo) -> bool:
@@ -786,7 +795,7 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
             r = add("backward", op, 0, 0.0, reduced, arriving + between + reduced, suffix=":reduce")
             edges.add((i, r))
         # what the backward reads: the forward's saved tensors, and its outputs' gradients
-        for t in op.inputs if op.op not in READS_NO_INPUT else ():
+        for t in op.inputs if reads_inputs(op) else ():
             p = producer.get(root[t])
             if p is not None and g.tensors[root[t]].kind == "activation" and t not in converted.get(op.id, ()):
                 edges.add((nid[p], i))
