@@ -284,3 +284,30 @@ def test_remat_apply_on_a_partition_plan_needs_a_process_group(tmp_path):
     plan.save(tmp_path / "p.json")
     with pytest.raises(InvalidInputError, match="runs in a process group; call torch.distributed.init_process_group"):
         remat.apply(model, str(tmp_path / "p.json"), batch, loss_fn)
+
+
+def test_a_product_by_a_number_does_not_hold_its_input():
+    """GPT-2's tanh GELU scales tensors by constants: such a product's backward reads none of its
+    inputs, so a stage holds less; a product of two tensors reads both."""
+    from remat.solvers import tofu
+
+    class Gelu(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return 0.5 * h * (1.0 + torch.tanh(0.8 * (h + 0.044715 * torch.pow(h, 3.0))))
+    g = op_graph(Gelu(), (torch.randn(4, 16),))
+    muls = [op for op in g.ops if op.op == "mul"]
+    assert [len(op.inputs) for op in muls].count(1) == 3 and [len(op.inputs) for op in muls].count(2) == 1
+    assert [tofu.reads_inputs(op) for op in muls] == [len(op.inputs) == 2 for op in muls]
+    dg = tofu.device_graph(g, pl.one_device(g))
+    made = {t: op.id for op in g.ops for t in op.outputs}
+    node = {v.name: v.id for v in dg.nodes}
+    for op in muls:
+        back = next(i for n, i in node.items() if n.endswith(f"#{op.id}:bwd"))
+        readers = {a for a, b in dg.edges if b == back}
+        held = {next(i for n, i in node.items() if n.endswith(f"#{made[t]}")) for t in op.inputs}
+        assert (held <= readers) == (len(op.inputs) == 2), op
