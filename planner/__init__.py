@@ -49,23 +49,22 @@ def apply(model, plan, *args, **kwargs):
     a `PartitionPlan` (or partition.json), in each rank of a process group ->
     `remat.distributed.DistributedStep` (``loss = step(*batch)`` runs the partitioned step and
     leaves the full gradients in the model's ``.grad``)."""
-    from remat.core.errors import InvalidInputError as _Invalid
-    if not hasattr(plan, "search"):         # (a PartitionPlan has its search's record; a Plan does not)
-        if isinstance(plan, str) or hasattr(plan, "__fspath__"):
-            import json
-            try:
-                fmt = json.loads(open(plan).read()).get("format")
-            except (OSError, ValueError, AttributeError):
-                fmt = None
-            if fmt == "remat.partition":
-                from .partitioning import PartitionPlan
-                plan = PartitionPlan.load(plan)
-        if not hasattr(plan, "search"):
-            from remat.frontends.applying import apply as apply_plan
-            return apply_plan(model, plan, *args, **kwargs)
-    if kwargs.get("executor") not in (None, "interpreter"):
-        raise _Invalid("remat.apply: executor= is for single-device plans; a partition plan runs on torch.distributed")
-    kwargs.pop("executor", None)
+    from .partitioning import FORMAT as PARTITION_FORMAT, PartitionPlan
+    if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
+        import json
+        try:
+            with open(plan) as f:
+                fmt = json.load(f).get("format")
+        except (OSError, ValueError, AttributeError):
+            fmt = None      # (the plan loader says what is wrong)
+        if fmt == PARTITION_FORMAT:
+            plan = PartitionPlan.load(plan)
+    if not isinstance(plan, PartitionPlan):
+        from remat.frontends.applying import apply as apply_plan
+        return apply_plan(model, plan, *args, **kwargs)
+    if kwargs.pop("executor", None) not in (None, "interpreter"):
+        raise InvalidInputError("remat.apply: executor= is for single-device plans; a partition plan runs on "
+                                "torch.distributed")
     from .distributed import DistributedStep
     return DistributedStep(model, plan, *args, **kwargs)
 
