@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                     if which == "search":
                         p = partition(g, k, baselines_too=False, prove=not args.no_prove, device_type=args.device_type)
                     elif which.startswith("pipeline"):
-                        p = layer_placement(g, k, 0.0, MICROBATCHES, "1f1b", "memory" if which.endswith("memory") else "time")
+                        balance = "memory" if which.endswith("memory") else "time"
+                        p = layer_placement(g, k, 0.0, MICROBATCHES, "1f1b", balance)
                     else:
                         p = baseline(g, k, which, device_type=args.device_type)
                 except Exception as e:  # noqa: BLE001 - a baseline that cannot split this model is a row saying why

@@ -3,8 +3,9 @@ against measured.
 
 For each case, process count, schedule and balance, in one run: ``remat.partitioning.
 layer_placement`` (stages begin at modules, the slowest (``time``) or heaviest (``memory``) stage
-as light as it can be; micro-batches twice the stages) run by `remat.pipelining.PipelinedStep` in that many processes, one step after a first
-(which makes the pipeline's receive buffers); per run the bytes sent (summed over ranks) against
+as light as it can be; micro-batches twice the stages) run by `remat.pipelining.PipelinedStep`
+in that many processes, one step after a first (which makes the pipeline's receive buffers);
+per run the bytes sent (summed over ranks) against
 the plan's `comm_bytes`, each rank's peak (the storage accounting, the receive buffers counted as
 resident) against its stage's predicted peak, the loss and the largest gradient difference from
 one process's step on the whole batch (relative to the largest gradient).
@@ -54,7 +55,6 @@ def worker(rank: int, world: int, port: int, name: str, schedule: str, balance: 
     try:
         torch.set_num_threads(1)
         from remat.frontends.base import default_loss, step_loss
-        from remat.frontends.measuring import measure_peak
         from remat.frontends.partitioning import op_graph
         from remat.partitioning import layer_placement
         from remat.pipelining import PipelinedStep
@@ -62,19 +62,15 @@ def worker(rank: int, world: int, port: int, name: str, schedule: str, balance: 
         plan = layer_placement(op_graph(model, batch, loss_fn, count), world, 0.0, microbatches, schedule, balance)
         step = PipelinedStep(model, batch, plan, rank, world, torch.device("cpu"), loss_fn, count)
         step.step(batch)
-        sent = step.counter.bytes
-        params = list({id(p): p for p in step.parameters().values()}.values())
-        box: dict = {}
-        peak = measure_peak(lambda: box.update(loss=step.step(batch)),
-                            resident=params + step.inputs(batch) + step.buffers())
+        got = step.measured(batch)
         ref_model, ref_batch, _, _ = case(name)
         ref = step_loss(ref_model, loss_fn or default_loss, ref_batch, None, count)
         ref.backward()
         grads = dict(ref_model.named_parameters(remove_duplicate=False))
-        out.put({"rank": rank, "loss": box["loss"], "ref": float(ref.detach()), "sent": step.counter.bytes - sent,
-                 "peak": peak, "predicted": plan.search["pipeline"]["stages"][rank]["peak_bytes"],
-                 "plan_comm": plan.comm_bytes, "splits": " ".join(plan.search["pipeline"]["split_points"]),
-                 "grad_err": max(float((g - grads[n].grad).abs().max()) for n, g in step.gradients().items())
+        out.put({"rank": rank, "loss": got["loss"], "ref": float(ref.detach()), "sent": got["comm_bytes"],
+                 "peak": got["peak_bytes"], "predicted": got["predicted_peak"], "plan_comm": plan.comm_bytes,
+                 "splits": " ".join(plan.search["pipeline"]["split_points"]),
+                 "grad_err": max(float((g - grads[n].grad).abs().max()) for n, g in got["grads"].items())
                  / max(float(p.grad.abs().max()) for p in ref_model.parameters())})
         dist.barrier()
     except Exception as e:  # noqa: BLE001 - the row says why

@@ -319,6 +319,17 @@ class Graph:
                 f"model={self.meta.get('model', '?')!r})")
 
 
+def file_format(path: str | Path) -> str | None:
+    """The ``format`` field of a JSON file (``"remat.plan"``, ``"remat.partition"``, ...); None
+    when the file cannot be read, is not JSON or has none (the loader of the kind expected then
+    says what is wrong)."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return d.get("format") if isinstance(d, dict) else None
+
+
 def read_json(path: str | Path, what: str) -> Any:
     p = Path(path)
     if not p.exists():

@@ -49,6 +49,9 @@ class OpGraph:
     ops: list              # OpInfo, in an order where each tensor is made before it is read
     loss: int              # the id of the loss tensor
     meta: dict = field(default_factory=dict)
+    # what is derived from this graph once (the ops' descriptions, last readers): never carried
+    # to another graph with `meta`
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         made = {t for t, info in self.tensors.items() if info.kind != "activation"}

@@ -49,16 +49,11 @@ def apply(model, plan, *args, **kwargs):
     a `PartitionPlan` (or partition.json), in each rank of a process group ->
     `remat.distributed.DistributedStep` (``loss = step(*batch)`` runs the partitioned step and
     leaves the full gradients in the model's ``.grad``)."""
+    from remat.core.graph import file_format
+
     from .partitioning import FORMAT as PARTITION_FORMAT, PartitionPlan
-    if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
-        import json
-        try:
-            with open(plan) as f:
-                fmt = json.load(f).get("format")
-        except (OSError, ValueError, AttributeError):
-            fmt = None      # (the plan loader says what is wrong)
-        if fmt == PARTITION_FORMAT:
-            plan = PartitionPlan.load(plan)
+    if (isinstance(plan, str) or hasattr(plan, "__fspath__")) and file_format(plan) == PARTITION_FORMAT:
+        plan = PartitionPlan.load(plan)
     if not isinstance(plan, PartitionPlan):
         from remat.frontends.applying import apply as apply_plan
         return apply_plan(model, plan, *args, **kwargs)

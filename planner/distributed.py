@@ -280,7 +280,7 @@ class PartitionedStep:
         """{tensor id: DTensor} for the parameters and the batch from `values` (tensor id -> the
         full tensor, the same on every rank); parameters that train are leaves requiring grad."""
         out = {}
-        read = {t for op in self.graph.ops for t in op.inputs}
+        read = tofu.last_reader(self.graph)
         for t, v in values.items():
             if t not in read:      # (a tied parameter's other name: nothing reads it, it is not placed)
                 continue
@@ -505,6 +505,8 @@ class DistributedStep:
         batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.last: dict = {}
+        from .pipelining import canonical_names
+        self.names = canonical_names(model)
         if plan.search.get("pipeline"):
             from .pipelining import PipelinedStep
             self.pipe = PipelinedStep(model, batch, plan, self.rank, self.world, device, loss_fn, model_inputs)
@@ -515,7 +517,6 @@ class DistributedStep:
             self.mesh = mesh_for(self.world, device.type)
 
     def __call__(self, *batch: Any) -> float:
-        import torch.distributed as dist
         if self.pipe is None:
             got = train_step(self.model, batch, self.plan, self.mesh, self.loss_fn, capture=self.capture,
                              model_inputs=self.count)
@@ -523,16 +524,10 @@ class DistributedStep:
             self.last = {"comm_bytes": got["comm_bytes"], "calls": got["calls"]}
         else:
             sent = self.pipe.counter.bytes
-            mine = self.pipe.step(batch)
+            grads, loss = self.pipe.gathered(self.pipe.step(batch))
             self.last = {"comm_bytes": self.pipe.counter.bytes - sent}
-            every: list = [None] * self.world
-            dist.all_gather_object(every, ({n: g.detach().cpu() for n, g in self.pipe.gradients().items()}, mine))
-            grads = {n: g for part, _ in every for n, g in part.items()}
-            loss = next(x for _, x in every if x is not None)
-        from .pipelining import canonical_names
-        names = canonical_names(self.model)
         for name, p in self.model.named_parameters():
-            g = grads.get(names.get(name, name), grads.get(name))
+            g = grads.get(self.names.get(name, name), grads.get(name))
             p.grad = None if g is None else g.to(p.device, p.dtype)
         return float(loss)
 
@@ -613,12 +608,16 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
         capture = capture_step(model, example)
         random = any(is_random(n) for n in capture.op_nodes)
         if plan.search.get("pipeline"):
-            from .pipelining import train_steps
-            rows = [dict(r, random=random) for r in train_steps(model, example, plan, rank, world, device, steps, lr,
-                                                                reference)]
+            from .pipelining import PipelinedStep
+            pipe = PipelinedStep(model, example, plan, rank, world, device)
+            run, params = pipe.measured, pipe.trained(model)
         else:
-            rows = _partitioned_steps(model, example, plan, capture, world, device, device_type, steps, lr,
-                                      reference, rank, random)
+            mesh = mesh_for(world, device_type)
+            run = lambda batch: train_step(model, batch, plan, mesh, capture=capture, meter=True)  # noqa: E731
+            params = [(p, name) for name, p in model.named_parameters()]
+        rows = _train(model, example, device, steps, lr, reference, rank, run, params)
+        for r in rows:
+            r["random"] = random
         every = [None] * world if rank == 0 else None
         dist.gather_object(rows, every, dst=0)
         if rank == 0:
@@ -631,15 +630,17 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, make: Callable
         dist.destroy_process_group()
 
 
-def _partitioned_steps(model: torch.nn.Module, example: tuple, plan: PartitionPlan, capture: Any, world: int,
-                       device: torch.device, device_type: str, steps: int, lr: float, reference: bool,
-                       rank: int, random: bool) -> list:
-    """`launch`'s steps of a split plan on this rank (`train_step` a step, then SGD)."""
+def _train(model: torch.nn.Module, example: tuple, device: torch.device, steps: int, lr: float, reference: bool,
+           rank: int, run: Callable[[tuple], dict], params: list) -> list:
+    """`launch`'s steps on this rank: each on a random batch shaped like `example` (the same on
+    every rank), one process's loss beside it (rank 0, with `reference`), ``run(batch)`` (the
+    planned step: {"loss", "grads" (full, by the model's names), "peak_bytes", "comm_bytes", and a
+    pipeline's "predicted_peak"}), then SGD at `lr` on `params` ([(parameter, its name in
+    "grads")])."""
     import time
 
     from remat.frontends.base import default_loss, step_loss
     from remat.frontends.run import random_batch
-    mesh = mesh_for(world, device_type)
     gen = torch.Generator().manual_seed(1)
     rows = []
     for k in range(steps):
@@ -647,17 +648,18 @@ def _partitioned_steps(model: torch.nn.Module, example: tuple, plan: PartitionPl
         ref = None
         if reference and rank == 0:
             # (from the generator state every rank's step then draws from: one process's numbers)
-            with torch.random.fork_rng(devices=[device] if device_type == "cuda" else []), torch.no_grad():
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
                 ref = float(step_loss(model, default_loss, batch))
         t0 = time.perf_counter()
-        got = train_step(model, batch, plan, mesh, capture=capture, meter=True)
+        got = run(batch)
         seconds = time.perf_counter() - t0
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for p, name in params:
                 if name in got["grads"]:
                     p -= lr * got["grads"][name].to(p.device)
-        rows.append({"step": k, "rank": rank, "loss": got["loss"], "reference_loss": ref, "random": random,
-                     "peak_bytes": got["peak_bytes"], "comm_bytes": got["comm_bytes"], "seconds": seconds})
+        rows.append({"step": k, "rank": rank, "loss": got["loss"], "reference_loss": ref,
+                     "peak_bytes": got["peak_bytes"], "comm_bytes": got["comm_bytes"], "seconds": seconds,
+                     **({"predicted_peak": got["predicted_peak"]} if "predicted_peak" in got else {})})
     return rows
 
 

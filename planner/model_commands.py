@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from remat.core.errors import InvalidInputError, RematError
+from remat.core.graph import file_format
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
     from .budget import baseline_peak
     from .planning import plan as make_plan
     shape = parse_shape(args.input_shape)
-    if args.plan is not None and _format_of(args.plan) == "remat.partition":
+    if args.plan is not None and file_format(args.plan) == "remat.partition":
         return run_partitioned(args, shape)
     if getattr(args, "nproc", None) is not None:
         raise InvalidInputError("remat run: --nproc is for a partition plan (remat partition -o PARTITION.json, then "
@@ -219,17 +220,6 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
               f"planned/plain time {rep.step_time / rep.plain.time:.2f}x (predicted {pr['overhead']:.2f}x), "
               f"peak {rep.peak_bytes / rep.plain.peak_bytes:.2f}x")
     return 0
-
-
-def _format_of(path: str) -> str | None:
-    """The ``format`` field of a JSON file (None when it is not JSON or has none: the plan
-    loader then says what is wrong)."""
-    import json
-    try:
-        d = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return d.get("format") if isinstance(d, dict) else None
 
 
 def model_from_spec(args: Any, shape: tuple | None, spec: dict, made: str) -> tuple[str, dict]:

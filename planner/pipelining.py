@@ -84,7 +84,6 @@ class SendCounter:
 
     def __init__(self, stage: Any):
         self.bytes = 0
-        self.sends = 0
         for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
             setattr(stage, name, self._counted(getattr(stage, name)))
 
@@ -93,7 +92,6 @@ class SendCounter:
             ops = fn(*args, **kwargs)
             for op in ops:
                 self.bytes += op.tensor.numel() * op.tensor.element_size()
-                self.sends += 1
             return ops
         return wrapped
 
@@ -143,6 +141,7 @@ class PipelinedStep:
             raise InvalidInputError(f"pipelining: the plan is for {plan.devices} devices; this process group has "
                                     f"{world}: launch {plan.devices} processes")
         self.microbatches, self.schedule_name = int(spec["microbatches"]), spec["schedule"]
+        self.plan_stage = spec["stages"][rank]
         self.rank, self.world, self.device = rank, world, device
         loss_fn = loss_fn or default_loss
         n_in = len(inputs_of(model, batch, None, model_inputs))
@@ -177,11 +176,13 @@ class PipelinedStep:
         make = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
         self.schedule = make(self.stage, self.microbatches, loss_fn=last_loss,
                              scale_grads=self.reduction == "mean")
-        self.extra = extra
         # a tied parameter (several names, one tensor in the model): `pipeline` gives each stage
         # that holds it a copy; its gradient is summed over the copies and their stages
         self.canonical = canonical_names(model)
-        mine = sorted({self.canonical.get(n, n) for n, _ in self.module.named_parameters(remove_duplicate=False)})
+        self.copies: dict = {}      # the model's name -> this stage's parameters of that name
+        for name, p in self.parameters().items():
+            self.copies.setdefault(self.canonical.get(name, name), {})[id(p)] = p
+        mine = sorted(self.copies)
         every: list = [None] * world
         dist.all_gather_object(every, mine)
         self.shared: dict = {}      # canonical name -> (its process group, or None for all ranks; holders)
@@ -240,11 +241,8 @@ class PipelinedStep:
             self.schedule.step(target=target, losses=losses, return_outputs=False)
         else:
             self.schedule.step()
-        copies: dict = {}
-        for name, p in self.parameters().items():
-            copies.setdefault(self.canonical.get(name, name), {})[id(p)] = p
         for name, (group, n) in self.shared.items():
-            ps = list(copies[name].values())
+            ps = list(self.copies[name].values())
             total = sum((p.grad for p in ps if p.grad is not None), torch.zeros_like(ps[0]))
             dist.all_reduce(total, group=group)
             self.counter.add(total.numel() * total.element_size() * 2 * (n - 1) // n)   # (a ring all-reduce)
@@ -255,56 +253,38 @@ class PipelinedStep:
         total = sum(float(x.detach()) for x in losses)
         return total / len(losses) if self.reduction == "mean" else total
 
+    def gathered(self, loss: float | None) -> tuple[dict, float]:
+        """After `step`, on every rank: ({the model's name of a parameter: its full gradient, on
+        the CPU}, the step's loss), gathered from the stages (bytes beyond the plan's)."""
+        import torch.distributed as dist
+        every: list = [None] * self.world
+        dist.all_gather_object(every, ({n: g.detach().cpu() for n, g in self.gradients().items()}, loss))
+        return {n: g for part, _ in every for n, g in part.items()}, next(x for _, x in every if x is not None)
 
-
-
-def train_steps(model: torch.nn.Module, example: tuple, plan: Any, rank: int, world: int, device: torch.device,
-                steps: int, lr: float, reference: bool) -> list[dict]:
-    """`remat.distributed.launch`'s steps for a layer placement plan on this rank: each step on a
-    random batch shaped like `example` (the same on every rank), the loss beside one process's
-    (rank 0, with `reference`), the rank's measured peak beside its stage's predicted one, the
-    bytes it sent; then SGD at `lr` on the full gradients (gathered to every rank, outside the
-    counted step), the stage's copies of tied parameters included."""
-    import time
-
-    import torch.distributed as dist
-
-    from remat.frontends.base import default_loss, step_loss
-    from remat.frontends.measuring import measure_peak
-    from remat.frontends.run import random_batch
-    step = PipelinedStep(model, example, plan, rank, world, device)
-    predicted = plan.search["pipeline"]["stages"][rank]["peak_bytes"]
-    owners: dict = {}       # id -> (parameter, its model name): the model's and the stage's copies
-    for name, p in list(model.named_parameters(remove_duplicate=False)) + list(step.parameters().items()):
-        owners.setdefault(id(p), (p, step.canonical.get(name, name)))
-    resident = list({id(p): p for p in step.parameters().values()}.values())
-    gen = torch.Generator().manual_seed(1)
-    meter_device = device if device.type == "cuda" else None
-    rows = []
-    for k in range(steps):
-        batch = random_batch(example, gen, device)
-        ref = None
-        if reference and rank == 0:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-                ref = float(step_loss(model, default_loss, batch))
+    def measured(self, batch: tuple) -> dict:
+        """One step measured, as `remat.distributed.launch` reports it: {"loss", "grads" (full,
+        `gathered`), "peak_bytes" (the storage accounting with the stage's parameters, its part of
+        the batch and its receive buffers resident; ``max_memory_allocated`` on CUDA),
+        "predicted_peak" (its stage's), "comm_bytes" (sent in the step)}."""
+        from remat.frontends.measuring import measure_peak
         box: dict = {}
-        sent = step.counter.bytes
-        t0 = time.perf_counter()
-        peak = measure_peak(lambda: box.update(loss=step.step(batch)),
-                            resident=resident + step.inputs(batch) + step.buffers(), device=meter_device)
-        seconds = time.perf_counter() - t0
-        sent = step.counter.bytes - sent
-        every: list = [None] * world
-        dist.all_gather_object(every, ({n: g.detach().cpu() for n, g in step.gradients().items()}, box["loss"]))
-        full = {n: g for part, _ in every for n, g in part.items()}
-        loss = next(x for _, x in every if x is not None)
-        with torch.no_grad():
-            for p, name in owners.values():
-                if name in full:
-                    p -= lr * full[name].to(p.device)
-        rows.append({"step": k, "rank": rank, "loss": loss, "reference_loss": ref, "peak_bytes": peak,
-                     "predicted_peak": predicted, "comm_bytes": sent, "seconds": seconds})
-    return rows
+        sent = self.counter.bytes
+        resident = [p for ps in self.copies.values() for p in ps.values()]
+        peak = measure_peak(lambda: box.update(loss=self.step(batch)),
+                            resident=resident + self.inputs(batch) + self.buffers(),
+                            device=self.device if self.device.type == "cuda" else None)
+        sent = self.counter.bytes - sent
+        grads, loss = self.gathered(box["loss"])
+        return {"loss": loss, "grads": grads, "peak_bytes": peak, "comm_bytes": sent,
+                "predicted_peak": self.plan_stage["peak_bytes"]}
+
+    def trained(self, model: torch.nn.Module) -> list:
+        """[(parameter, the model's name for it)]: `model`'s parameters and this stage's copies
+        of them, each once, for an optimizer step on the full gradients."""
+        owners: dict = {}
+        for name, p in list(model.named_parameters(remove_duplicate=False)) + list(self.parameters().items()):
+            owners.setdefault(id(p), (p, self.canonical.get(name, name)))
+        return list(owners.values())
 
 
-__all__ = ["PipelinedStep", "SendCounter", "loss_reduction", "canonical_names", "train_steps", "SCHEDULES"]
+__all__ = ["PipelinedStep", "SendCounter", "loss_reduction", "canonical_names", "SCHEDULES"]

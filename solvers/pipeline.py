@@ -169,14 +169,9 @@ def crossing_bytes(g: OpGraph) -> list[int]:
     sends."""
     diff = [0] * (len(g.ops) + 2)
     made = producers(g)
-    last: dict = {}
-    for op in g.ops:
-        for t in op.inputs:
-            if t in made:
-                last[t] = op.id
-    for t, b in last.items():
-        a = made[t]
-        if b > a:
+    for t, b in tofu.last_reader(g).items():
+        a = made.get(t)
+        if a is not None and b > a:
             diff[a + 1] += g.tensors[t].bytes
             diff[b + 1] -= g.tensors[t].bytes
     out, acc = [], 0
@@ -378,5 +373,6 @@ def bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-__all__ = ["SCHEDULES", "BALANCES", "stage_starts", "choose_cuts", "crossing_bytes", "op_weights", "op_times", "microbatch_graph", "stage_graph", "stage_costs", "StageCost",
-           "comm_bytes", "parameter_holders", "step_time", "bubble", "one_device"]
+__all__ = ["SCHEDULES", "BALANCES", "stage_starts", "choose_cuts", "crossing_bytes", "op_weights", "op_times",
+           "microbatch_graph", "stage_graph", "stage_costs", "StageCost", "comm_bytes", "parameter_holders", "step_time",
+           "bubble", "one_device"]

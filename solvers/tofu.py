@@ -138,7 +138,7 @@ def drawn_bytes(g: OpGraph, op: OpInfo, ins: list, sp: "Split") -> tuple[int, in
 def describe(g: OpGraph) -> list:
     """Each op's `OpRule` at its shapes (`partition.rule_for`), in the order of `g.ops`; computed
     once per graph."""
-    cached = g.meta.get("rules")
+    cached = g.cache.get("rules")
     if isinstance(cached, list) and len(cached) == len(g.ops):
         return cached
     rules = []
@@ -149,17 +149,17 @@ def describe(g: OpGraph) -> list:
             raise InvalidInputError(f"op {o.id} ({o.op}): its description {rule.spec!r} does not match its "
                                     f"{len(o.inputs)} inputs and {len(o.outputs)} outputs")
         rules.append(rule)
-    g.meta["rules"] = rules
+    g.cache["rules"] = rules
     return rules
 
 
 def last_reader(g: OpGraph) -> dict:
     """{tensor: the id of the last op that reads it} (computed once per graph)."""
-    cached = g.meta.get("last_reader")
+    cached = g.cache.get("last_reader")
     if isinstance(cached, dict):
         return cached
     out = {t: o.id for o in g.ops for t in o.inputs}
-    g.meta["last_reader"] = out
+    g.cache["last_reader"] = out
     return out
 
 
@@ -721,8 +721,8 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
 
     def add(kind, op, nbytes_, time, persistent=0, workspace=0, suffix=""):
         i = len(nodes)
-        nodes.append(Node(i, f"{op.module or op.op}:{op.op}#{op.id}" + (":bwd" if kind == "backward" else "") + suffix, kind,
-                          time, int(nbytes_), int(workspace), {}, int(persistent)))
+        name = f"{op.module or op.op}:{op.op}#{op.id}" + (":bwd" if kind == "backward" else "") + suffix
+        nodes.append(Node(i, name, kind, time, int(nbytes_), int(workspace), {}, int(persistent)))
         return i
 
     for op in forward + [loss]:

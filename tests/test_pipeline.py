@@ -145,28 +145,23 @@ def _worker(rank, world, port, name, microbatches, schedule, out):
     try:
         torch.set_num_threads(1)
         from remat.frontends.base import step_loss
-        from remat.frontends.measuring import measure_peak
         from remat.partitioning import layer_placement
         from remat.pipelining import PipelinedStep
         model, batch, loss_fn, count = _case(name)
         plan = layer_placement(op_graph(model, batch, loss_fn, model_inputs=count), world, 0.0, microbatches,
                                schedule)
         step = PipelinedStep(model, batch, plan, rank, world, torch.device("cpu"), loss_fn, count)
-        step.step(batch)                           # (the first step makes the receive buffers)
-        sent = step.counter.bytes
-        params = list({id(p): p for p in step.parameters().values()}.values())
-        box = {}
-        peak = measure_peak(lambda: box.update(loss=step.step(batch)),
-                            resident=params + step.inputs(batch) + step.buffers())
-        row = {"rank": rank, "loss": box["loss"], "sent": step.counter.bytes - sent, "peak": peak,
-               "predicted": plan.search["pipeline"]["stages"][rank]["peak_bytes"], "plan_comm": plan.comm_bytes,
+        own = step.step(batch)                     # (the first step makes the receive buffers)
+        got = step.measured(batch)
+        row = {"rank": rank, "own_loss": own, "loss": got["loss"], "sent": got["comm_bytes"],
+               "peak": got["peak_bytes"], "predicted": got["predicted_peak"], "plan_comm": plan.comm_bytes,
                "reduction": step.reduction}
         ref_model, ref_batch, _, _ = _case(name)
         ref = step_loss(ref_model, loss_fn or (lambda o, *a: o.sum()), ref_batch, None, count)
         ref.backward()
         grads = dict(ref_model.named_parameters(remove_duplicate=False))
         row["ref_loss"] = float(ref.detach())
-        row["grad_err"] = max(float((g - grads[n].grad).abs().max()) for n, g in step.gradients().items())
+        row["grad_err"] = max(float((g - grads[n].grad).abs().max()) for n, g in got["grads"].items())
         row["grad_scale"] = max(float(p.grad.abs().max()) for p in ref_model.parameters())
         row["names"] = sorted(step.gradients())
         out.put(row)
@@ -182,7 +177,9 @@ def test_a_pipelined_step_trains_as_one_process_and_as_predicted(name, world, mi
     rows = spawn_rows(_worker, world, name, microbatches, schedule)
     last = rows[-1]
     assert last["loss"] == pytest.approx(last["ref_loss"], rel=1e-5)
-    assert all(r["loss"] is None for r in rows[:-1])
+    assert last["own_loss"] == pytest.approx(last["ref_loss"], rel=1e-5)
+    assert all(r["own_loss"] is None for r in rows[:-1])     # (the loss is the last stage's)
+    assert all(r["loss"] == last["loss"] for r in rows)     # (then gathered to every rank)
     assert last["reduction"] == ("mean" if name == "classifier" else "sum")
     model, _, _, _ = _case(name)
     every = {n for r in rows for n in r["names"]}
