@@ -14,10 +14,11 @@ A schedule of a module-level graph (granularity ``"module"``) is native when
   to call again);
 * it swaps forward nodes only.
 
-What runs differs from the schedule in two respects the simulator is told of: the model's
-returned outputs live to the step's end (the loop's ``out`` holds them: `native_peak`), and a
-node whose storage the model's code holds past its free (a local variable of a container's
-loop) is freed where the code lets go (`native_peak`, from what the executor observed).
+What runs differs from the schedule in three respects the simulator is told of: the model's
+returned outputs live to the step's end (the loop's ``out`` holds them: `native_peak`); a node
+whose storage the model's code holds past its free (a local variable of a container's loop) is
+freed where the code lets go (`native_peak`, from what the executor observed); and autograd's
+engine sums the contributions to a shared parameter's gradient out of place (`engine_sums`).
 """
 from __future__ import annotations
 
@@ -186,25 +187,53 @@ def returned_nodes(graph: Graph) -> set[int]:
     return {u for u, w in graph.edges if w == loss and graph.nodes[u].kind == "forward"}
 
 
+def engine_sums(graph: Graph) -> tuple[dict, dict]:
+    """What autograd's engine adds for a parameter whose gradient several backward nodes
+    contribute (``graph.meta["engine_sums"]``, from the module frontend): it holds the first
+    contribution in the input buffer of the parameter's accumulation and adds each later one
+    out of place (a new tensor of the gradient's size beside the two it sums; in place only when
+    the held one is a dense tensor no one else references, which a linear's transposed weight
+    gradient, say, is not: counted always, so the figure is an upper bound there), and the
+    accumulation takes the sum after the last.  Returns ({backward node: bytes of the sum made
+    while it runs}, {backward node: bytes it starts (> 0) or stops (< 0) holding after it runs}).
+    With gradients the loop keeps (``meta["grads"] == "resident"``), the first contribution is
+    held from its node to the last contributor's; in PyTorch's default loop the graph counts it
+    already, as the gradient its first node allocates (``persistent_bytes``)."""
+    sums: dict[int, int] = {}
+    buffered: dict[int, int] = {}
+    resident = graph.meta.get("grads") == "resident"
+    for entry in graph.meta.get("engine_sums") or []:
+        b, nodes = int(entry["bytes"]), list(entry["nodes"])
+        for v in nodes[1:]:
+            sums[v] = sums.get(v, 0) + b
+        if resident:
+            buffered[nodes[0]] = buffered.get(nodes[0], 0) + b
+            buffered[nodes[-1]] = buffered.get(nodes[-1], 0) - b
+    return sums, buffered
+
+
 def native_peak(graph: Graph, schedule: Schedule, held: dict | None = None) -> int:
     """The simulator's peak of `schedule` as it runs natively: with the model's returned outputs
     (``output_bytes`` of the nodes the loss reads) alive from their node's free to the step's
     end (the loop's ``out`` holds them), and, for each forward node v in `held` ({v: (j,
     bytes)}, what the executor observed), `bytes` of v's storages alive from v's free during the
     forward through the compute of forward node j (the step's end when j is past the forward:
-    something outside the model, its returned cache say, holds them)."""
+    something outside the model, its returned cache say, holds them); and the gradient sums
+    of shared parameters (`engine_sums`)."""
     sim = simulate(graph, schedule, timeline=True)
     pinned = returned_nodes(graph)
     held = held or {}
     loss = next(v.id for v in graph.nodes if v.kind == "loss")
+    sums, buffered = engine_sums(graph)
     extra, peak, in_forward = 0, 0, True
     release: dict[int, int] = {}
     for o, row in zip(schedule.ops, sim.timeline):
-        peak = max(peak, row["device_bytes"] + extra)
+        peak = max(peak, row["device_bytes"] + extra + (sums.get(o.node, 0) if o.op == "compute" else 0))
         if o.op == "compute":
             if o.node == loss:
                 in_forward = False
             extra -= release.pop(o.node, 0) if in_forward else 0
+            extra += buffered.get(o.node, 0)
         elif o.op == "free" and o.node in pinned:
             v = graph.nodes[o.node]
             extra += int(v.extra.get("output_bytes", v.bytes))
@@ -217,4 +246,4 @@ def native_peak(graph: Graph, schedule: Schedule, held: dict | None = None) -> i
 
 
 __all__ = ["recomputable", "events", "Events", "obstacle", "plain_nodes", "nativize", "returned_nodes",
-           "native_peak"]
+           "engine_sums", "native_peak"]

@@ -100,10 +100,10 @@ class ModuleFrontend(Frontend):
             "capture_notes": list(cap.notes) + list(ctx.notes),
             "rng_nodes": [j for j in range(m) if rng_flags[j]],
             "buffer_mutations": {stages[j].name: mutated[j] for j in range(m) if mutated[j]},
+            "engine_sums": _engine_sums(profs, m),
         }
 
 
-# ---- profiling ---------------------------------------------------------------------------------
 # ---- profiling ---------------------------------------------------------------------------------
 def _profile_all(cap: Captured, stages: list[Segment], model: torch.nn.Module, args: tuple, loss_fn: Callable,
                  dev: torch.device, measure_time: bool, warmup: int, repeats: int, flops: bool, progress: bool,
@@ -240,6 +240,19 @@ def _saved_preds(s: Segment, p: StageProfile, producer: dict, preds: list[int]) 
     """For each producer in `preds`: does stage `s`'s backward read (autograd saved) its output?"""
     saved = {producer[i] for i, sv in zip(s.inputs, p.saves_input) if sv and i in producer}
     return [u in saved for u in preds]
+
+
+def _engine_sums(profs: list[StageProfile], m: int) -> list[dict]:
+    """The parameters whose gradient several backward nodes contribute (a tied weight: an
+    embedding and the LM head that shares it), each as ``{"bytes": its gradient's bytes,
+    "nodes": the contributing backward nodes in the backward's order}`` (`remat.core.native`
+    counts what autograd's engine does with them)."""
+    contributors: dict = {}
+    for v in reversed(range(m)):   # backward node of forward node v: id m + 1 + (m - 1 - v)
+        if profs[v].differentiable:
+            for k, b in profs[v].param_grads.items():
+                contributors.setdefault(k, (b, []))[1].append(m + 1 + (m - 1 - v))
+    return [{"bytes": int(b), "nodes": ns} for b, ns in contributors.values() if len(ns) > 1]
 
 
 def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], loss_prof: StageProfile,

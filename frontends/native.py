@@ -475,13 +475,17 @@ class NativeExecution:
         self.held: dict[int, tuple] = {}
         self._held_predicted: dict[int, tuple] = {}
         self._predict()
-        if self.kept:
-            msg = (f"remat.apply(native): {', '.join(self.kept)} kept resident where the plan recomputes them "
-                   f"(glue ops have no module to call again, and the forward runs the model's own code): "
-                   f"predicted peak {self.predicted['peak_bytes']:,} bytes")
-            if self.predicted["peak_bytes"] > plan.budget_bytes:
-                log.warning("%s, above the budget of %s bytes: plan with remat.plan(..., executor='native') or "
-                            "apply with executor='interpreter'", msg, f"{plan.budget_bytes:,}")
+        over = self.predicted["peak_bytes"] > plan.budget_bytes
+        if self.kept or over:
+            msg = f"remat.apply(native): predicted peak {self.predicted['peak_bytes']:,} bytes"
+            if self.kept:
+                msg += (f" ({', '.join(self.kept)} kept resident where the plan recomputes them: glue ops have no "
+                        "module to call again, and the forward runs the model's own code)")
+            if over:
+                log.warning("%s, above the budget of %s bytes (natively the model's returned outputs also live to "
+                            "the step's end, and autograd's engine sums a shared parameter's gradients out of "
+                            "place): plan with remat.plan(..., executor='native') or apply with "
+                            "executor='interpreter'", msg, f"{plan.budget_bytes:,}")
             else:
                 log.info("%s, within the budget", msg)
         self.output_idx: dict[int, set] = {}   # node -> entries that are its outputs (seen so far)
@@ -758,11 +762,12 @@ class NativeExecution:
             st.free(v)
         if self.held != self._held_predicted:
             self._held_predicted = dict(self.held)
+            before = self.predicted["peak_bytes"]
             self._predict()
             names = ", ".join(self.specs[v].name for v in sorted(self.held))
             msg = (f"remat.apply(native): the model's code holds the outputs of {names} past the plan's frees "
                    f"(local variables of its forward); predicted peak now {self.predicted['peak_bytes']:,} bytes")
-            if self.predicted["peak_bytes"] > self.plan.budget_bytes:
+            if self.predicted["peak_bytes"] > max(before, self.plan.budget_bytes):
                 log.warning("%s, above the budget of %s bytes: apply the plan with executor='interpreter', or "
                             "trace at a depth whose modules hold their own inputs", msg, f"{self.plan.budget_bytes:,}")
             else:
