@@ -635,6 +635,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("remat: error: interrupted", file=sys.stderr)
         return 130
+    except NotImplementedError as e:  # a named missing piece, not a bug
+        if debug:
+            raise
+        print(f"remat: error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # a bug: one line unless --debug
         if debug:
             raise

@@ -265,6 +265,7 @@ class PartitionedStep:
 
     def __init__(self, capture: Any, plan: PartitionPlan, mesh: Any):
         g = capture.graph
+        plan.check_runnable()
         if plan.devices != mesh.size():
             raise InvalidInputError(f"the partition plan is for {plan.devices} devices; this process group has "
                                     f"{mesh.size()}: launch {plan.devices} processes")
@@ -494,6 +495,7 @@ class DistributedStep:
     def __init__(self, model: torch.nn.Module, plan: PartitionPlan, example_inputs: Any,
                  loss_fn: Callable | None = None, model_inputs: int | None = None):
         import torch.distributed as dist
+        plan.check_runnable()
         if not dist.is_initialized():
             raise InvalidInputError("remat.apply: a partition plan runs in a process group; call "
                                     "torch.distributed.init_process_group first (or use remat.distributed.launch)")
@@ -559,6 +561,7 @@ def launch(plan: PartitionPlan, make: Callable[[], tuple], *, steps: int = 3, lr
     import tempfile
 
     import torch.multiprocessing as mp
+    plan.check_runnable()
     if device_type == "cuda" and torch.cuda.device_count() < plan.devices:
         raise InvalidInputError(f"the partition plan is for {plan.devices} devices; this machine has "
                                 f"{torch.cuda.device_count()} GPUs")

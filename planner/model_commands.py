@@ -244,6 +244,7 @@ def run_partitioned(args: Any, shape: tuple | None) -> int:
     from .distributed import launch
     from .partitioning import PartitionPlan
     plan = PartitionPlan.load(args.plan)
+    plan.check_runnable()
     if args.nproc is not None and args.nproc != plan.devices:
         raise InvalidInputError(f"remat run: the partition plan is for {plan.devices} devices, --nproc is {args.nproc}: "
                                 f"give --nproc {plan.devices} or partition again with --devices {args.nproc}")

@@ -67,6 +67,19 @@ class PartitionPlan:
     def comm_per_device(self) -> int:
         return self.comm_bytes // max(self.devices, 1)
 
+    def check_runnable(self) -> None:
+        """Raise `NotImplementedError` where the executor cannot run this plan as it predicts: a
+        plan whose devices recompute (the budget met only by the single-device planner's plan of
+        the device graph, ``search["recompute"]``) gives that plan's peak, and the distributed
+        executor recomputes nothing yet (it would run at the keep-everything peak)."""
+        rec = self.search.get("recompute")
+        if rec:
+            raise NotImplementedError(
+                f"running a partition plan whose devices recompute is not implemented: its per-device peak "
+                f"({format_bytes(self.peak_bytes)}) is a recomputation plan's ({rec.get('overhead', 0):.2f}x), and the "
+                "distributed executor keeps every value; partition with more devices or a larger budget, "
+                "so that the split fits without recomputation")
+
     def blocks(self, depth: int = 3) -> list:
         """[(module prefix, {op: strategies})]: the chosen splits per block, in order."""
         out: list = []
@@ -374,7 +387,8 @@ def report(p: PartitionPlan) -> list:
                          f"{'es' if st['inflight'] > 1 else ''} in flight, {format_bytes(st['held_bytes'])} each)")
     rec = p.search.get("recompute")
     if rec:
-        lines.append(f"  per device the planner recomputes: predicted step {rec['overhead']:.2f}x ({rec['solver']})")
+        lines.append(f"  per device the planner recomputes: predicted step {rec['overhead']:.2f}x ({rec['solver']}); "
+                     "the distributed executor does not recompute yet, so remat run and remat.apply refuse this plan")
     if p.search.get("undescribed_ops"):
         lines.append(f"  ops run whole on every device (no description): {', '.join(p.search['undescribed_ops'])}")
     if not p.search.get("exact", True):

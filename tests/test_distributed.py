@@ -153,6 +153,35 @@ def test_a_plan_for_another_world_size_says_so():
         PartitionedStep(cap, plan, OneDevice())
 
 
+def test_a_plan_whose_devices_recompute_is_refused_by_name(tmp_path, capsys):
+    """Under a budget only recomputation meets, the partition's per-device peak is the single-device
+    planner's plan's; the distributed executor recomputes nothing, so running it says that this
+    is not implemented (API: NotImplementedError; CLI: one line, exit 1) instead of running at
+    the keep-everything peak."""
+    from remat.cli import main
+    from remat.core.simulate import keep_all_peak
+    from remat.distributed import DistributedStep, launch
+    from remat.frontends.partitioning import capture_step
+    from remat.partitioning import PartitionPlan, partition
+    from remat.solvers import tofu
+    model, batch, loss_fn = MLP(), (torch.randn(256, 64),), _square   # (activations outweigh the weights)
+    g = capture_step(model, batch, loss_fn, 1).graph
+    tight = int(0.95 * min(keep_all_peak(tofu.device_graph(g, tofu.split(g, 2, lam))) for lam in (0.0, 1e-2, 1, 1e4)))
+    plan = partition(g, 2, tight, baselines_too=False)
+    assert plan.search["recompute"]["overhead"] >= 1.0 and plan.peak_bytes <= tight
+    with pytest.raises(NotImplementedError, match="partition plan whose devices recompute is not implemented"):
+        launch(plan, _case)
+    with pytest.raises(NotImplementedError, match="recompute"):
+        DistributedStep(model, plan, batch, loss_fn)
+    path = tmp_path / "partition.json"
+    plan.save(path)
+    assert PartitionPlan.load(path).search["recompute"]
+    capsys.readouterr()
+    assert main(["run", "--plan", str(path), "--nproc", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "not implemented" in err and "internal error" not in err and len(err.strip().splitlines()) == 1, err
+
+
 FACTORY = '''
 import torch
 
