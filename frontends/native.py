@@ -495,6 +495,9 @@ class NativeExecution:
         # ran, and ("backward", v) when the plan's ops before b_v ran: a probe for tests and
         # tools that follow a step event by event; None in normal use
         self.on_event = None
+        # True: the model runs as plain autograd (the hooks stay, doing nothing), for a plain
+        # step timed in turns with planned ones (`remat.run_plan`)
+        self.paused = False
         # the expected sequence of group-module calls: (path, node, first in node, last in node)
         self.expected = [(p, sp.id, k == 0, k == len(sp.calls) - 1) for sp in self.specs for k, p in enumerate(sp.calls)]
         self._handles = [model.register_forward_pre_hook(self._root_pre, with_kwargs=True),
@@ -556,7 +559,7 @@ class NativeExecution:
 
     # ---- forward events ----------------------------------------------------------------------
     def _root_pre(self, model, args, kwargs):
-        if not (torch.is_grad_enabled() and model.training):
+        if self.paused or not (torch.is_grad_enabled() and model.training):
             self.step = None
             return None
         flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]

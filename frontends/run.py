@@ -13,8 +13,10 @@ default ``zero_grad()`` (set to None: each step allocates them in its backward, 
 nodes' persistent bytes), with ``"resident"`` (and in graphs that do not say) in place,
 ``zero_grad(set_to_none=False)``, so they are fixed bytes alive for the whole step.  One untimed
 warm-up step comes first (it allocates the gradients and, on CUDA, the pinned host buffers).
-The same accounting then measures as many plain autograd steps, for the ratio of step times
-(on the CPU the accounting's per-op cost is in both times: compare the ratio, not the times).
+The same accounting measures as many plain autograd steps, each after a planned one (in turns,
+after a warm-up of each, on batches of their own; natively with the execution paused), for the
+ratio of step times (on the CPU the accounting's per-op cost is in both times: compare the
+ratio, not the times).
 The global RNG is seeded with `seed` first, so a run is reproducible.
 """
 from __future__ import annotations
@@ -139,20 +141,40 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
         return (list(model.parameters()) + list(model.buffers()) + tree_flatten(batch)[0]
                 + [p.grad for p in model.parameters() if p.grad is not None] + optimizer_tensors(opt))
 
+    plain_gen = torch.Generator().manual_seed(seed + 1)
     for k in range(steps + 1):  # step 0: warm-up
-        batch = random_batch(args, gen, dev)
+        held = [random_batch(args, gen, dev)]
         opt.zero_grad(set_to_none=to_none)
         box: list[torch.Tensor] = []
 
         def step() -> None:
-            loss = planned(*batch)
+            loss = planned(*held[0])
             loss.backward()
             box.append(loss.detach())
             if named:
                 opt.step()
-        m = measure(step, dev, resident=fixed(batch))
+        m = measure(step, dev, resident=fixed(held[0]))
+        held.clear()   # (on CUDA every live tensor counts: one step's batch is not the other's)
         if not named:
             opt.step()
+        if plain:   # a plain step in turns with each planned one (the machine's drift falls on both)
+            held.append(random_batch(args, plain_gen, dev))
+            opt.zero_grad(set_to_none=to_none)
+
+            def plain_step() -> None:
+                step_loss(model, loss_fn, held[0], count=plan.graph.meta.get("model_inputs")).backward()
+                if named:
+                    opt.step()
+            if native:
+                planned.paused = True
+            try:
+                pm = measure(plain_step, dev, resident=fixed(held[0]))
+            finally:
+                if native:
+                    planned.paused = False
+            held.clear()
+            if k:
+                report.plain_steps.append(pm)
         if k == 0:
             continue
         report.losses.append(float(box[0]))
@@ -163,14 +185,5 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
     if native:
         report.predicted = dict(planned.predicted)  # (after what the steps observed: `NativeExecution.held`)
         planned.remove()
-    for _ in range(steps if plain else 0):
-        batch = random_batch(args, gen, dev)
-        opt.zero_grad(set_to_none=to_none)
-
-        def plain_step() -> None:
-            step_loss(model, loss_fn, batch, count=plan.graph.meta.get("model_inputs")).backward()
-            if named:
-                opt.step()
-        report.plain_steps.append(measure(plain_step, dev, resident=fixed(batch)))
     opt.zero_grad(set_to_none=to_none)
     return report

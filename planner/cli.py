@@ -435,7 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train a few steps with a plan; predicted vs measured peak and time",
                        description="Train MODEL for --steps steps on random batches with a plan (--plan, or "
                        "--budget to trace and plan first) and print, per step, the measured peak device "
-                       "bytes and time next to the plan's prediction; then one plain autograd step. A partition "
+                       "bytes and time next to the plan's prediction, each step followed by a plain autograd step (their "
+                       "times' ratio against the predicted overhead). A partition "
                        "plan (remat partition) runs in one process a device: per step the loss beside one "
                        "process's, per rank the measured peak and the bytes sent beside the plan's.",
                        epilog="MODEL: a zoo model, path/to/file.py:FACTORY or package.module:FACTORY; with "

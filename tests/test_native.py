@@ -143,6 +143,15 @@ def test_eval_no_grad_and_remove_run_the_plain_model():
     b = default_loss(mine(*inputs), *inputs)
     assert ex.step is None and b.requires_grad
     mine.train()
+    events: list = []
+    ex.on_event = lambda *e: events.append(e)
+    ex.paused = True                    # (remat.run_plan's plain steps in turns with planned ones)
+    _loop_step(mine, inputs)
+    assert ex.step is None and not events
+    ex.paused = False
+    _loop_step(mine, inputs)
+    assert events                       # (the plan ran again)
+    mine.zero_grad(set_to_none=True)
     hooks = len(mine._forward_pre_hooks)
     ex.remove()
     assert len(mine._forward_pre_hooks) == hooks - 1
