@@ -2,8 +2,10 @@
 training with a plan (these import torch; the argument parsing stays in remat.cli, which does not).
 
 MODEL is a zoo name (``remat.frontends.zoo.names()``), ``path/to/file.py:factory`` or
-``package.module:factory``.  A factory is called with no arguments (or with ``batch=N`` when
-``--batch`` is given and it takes a ``batch`` parameter) and returns a model, or a pair
+``package.module:factory`` (``torchvision.models:resnet50`` with ``--input-shape 3,224,224``).
+A factory is called with no arguments (or with ``batch=N`` when ``--batch`` is given and it
+names a ``batch`` parameter: not one it would take through ``**kwargs``, which torchvision's and
+timm's factories hand to the model's constructor) and returns a model, or a pair
 ``(model, example_inputs)``.  ``--input-shape C,H,W`` makes the example input
 ``torch.randn(batch, C, H, W)`` (batch 1 unless ``--batch``); a factory that returns no inputs
 needs it.
@@ -121,11 +123,14 @@ def load_model(spec: str, *, batch: int | None = None, input_shape: tuple | None
 
 
 def _takes(fn: Any, name: str) -> bool:
+    """`fn` names a parameter `name` (one taken only through ``**kwargs`` is not: torchvision's
+    and timm's factories pass those on to the model's constructor)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+    return name in params and params[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                    inspect.Parameter.KEYWORD_ONLY)
 
 
 def print_chosen(graph: Any) -> None:

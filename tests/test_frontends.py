@@ -504,6 +504,12 @@ def test_cli_trace_factory_file_and_input_shape(tmp_path, capsys):
     code, out, err = run(capsys, "trace", f"{src}:make", "--input-shape", "3,8,8", "--profile", "flops",
                          "--no-progress", "-o", tmp_path / "b.json")
     assert code == 0, err
+    # a factory taking **kwargs (torchvision's, timm's) passes them to the model: --batch sizes the
+    # input, not the factory
+    src.write_text(src.read_text() + "def wide(**kwargs):\n    return make(**kwargs)\n")
+    code, out, err = run(capsys, "trace", f"{src}:wide", "--batch", "3", "--input-shape", "3,8,8",
+                         "--profile", "flops", "--no-progress", "-o", tmp_path / "c.json")
+    assert code == 0 and Graph.load(tmp_path / "c.json").meta["batch"] == 3, err
 
 
 @pytest.mark.parametrize("model, message", [
