@@ -35,7 +35,7 @@ from typing import Any
 from .errors import InvalidInputError
 from .graph import Graph, read_json
 from .schedule import Schedule, ops_from_stages
-from .simulate import SimResult, simulate
+from .simulate import SimResult, simulate, storage_view
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,16 @@ class Plan:
 
     def simulate(self, bandwidth: float | None = None) -> SimResult:
         return simulate(self.graph, self.schedule, bandwidth)
+
+    @property
+    def storage_peak_bytes(self) -> int:
+        """The predicted peak as the exact accounting of tensor storages sees it (the CPU's
+        `remat.measure`): without what kernels allocate inside themselves (`storage_view`); the
+        predicted peak when the graph records none."""
+        view = storage_view(self.graph)
+        if view is self.graph:
+            return int(self.predicted.get("peak_bytes", simulate(self.graph, self.schedule).peak_bytes))
+        return simulate(view, self.schedule).peak_bytes
 
     # ---- serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:

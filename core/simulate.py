@@ -37,7 +37,7 @@ there, the bytes now and at the peak, both clocks.  `simulate` is a loop over it
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 from .graph import Graph
@@ -352,10 +352,24 @@ def simulate(graph: Graph, schedule: Schedule | list[Op], bandwidth: float | Non
                      compute_counts=counts, timeline=tl)
 
 
+def storage_view(graph: Graph) -> Graph:
+    """`graph` as the exact accounting of tensor storages sees it (the CPU's `remat.measure`):
+    each node's workspace without what its kernels allocate inside themselves
+    (``extra["scratch_bytes"]``, which a frontend measured from the allocator's own figures), and
+    the fixed bytes without the saved generator states (``meta["rng_state_bytes"]``: no op makes
+    them).  The graph itself when it records neither."""
+    rng = int(graph.meta.get("rng_state_bytes") or 0)
+    if not rng and not any(v.extra.get("scratch_bytes") for v in graph.nodes):
+        return graph
+    nodes = [replace(v, workspace_bytes=max(0, v.workspace_bytes - int(v.extra.get("scratch_bytes") or 0)))
+             for v in graph.nodes]
+    return Graph(nodes, graph.edges, graph.fixed_bytes - rng, graph.meta)
+
+
 def keep_all_peak(graph: Graph) -> int:
     """Predicted peak bytes (fixed included) of plain autograd's schedule, `Schedule.keep_all`
     (what a budget of ``1x`` means)."""
     return simulate(graph, Schedule.keep_all(graph)).peak_bytes
 
 
-__all__ = ["simulate", "keep_all_peak", "SimResult", "SimState", "Violation", "ORIGINS"]
+__all__ = ["simulate", "storage_view", "keep_all_peak", "SimResult", "SimState", "Violation", "ORIGINS"]

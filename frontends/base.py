@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -244,6 +244,13 @@ def fixed_bytes(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = 
     return sum(breakdown.values()), breakdown
 
 
+def rng_state_bytes(device: torch.device) -> int:
+    """Device bytes of one saved generator state, what an executor keeps per random node to
+    replay it (`runtime.RunBase.rng_of`): on the CPU ``torch.get_rng_state()`` (5,056 bytes, which
+    the storage accounting does not see: no op makes it); on CUDA 0 (the states are host tensors)."""
+    return int(torch.get_rng_state().numel()) if device.type == "cpu" else 0
+
+
 def make_optimizer(name: str, params: Any, lr: float = 1e-3) -> torch.optim.Optimizer:
     """The `torch.optim` optimizer an `OPTIMIZER_STATE` name stands for, with PyTorch's defaults
     (``sgd-momentum``: momentum 0.9).  ``lion`` has no `torch.optim` class: NotImplementedError."""
@@ -415,6 +422,15 @@ def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
                     "measured nor counted at the step's end", ctx.optimizer)
         ctx.notes.append(f"optimizer {ctx.optimizer}: the step's transient not measured (no torch.optim class)")
     nodes, edges, meta = frontend.assemble(ctx)
+    one = rng_state_bytes(dev)
+    rng = one * len(meta.get("rng_nodes") or [])
+    if rng:   # the executors keep a random node's generator state from its first run to the step's
+        fixed += rng   # end, and a recomputation saves the current one beside it while it runs
+        breakdown = {**breakdown, "rng_states": rng}
+        meta = {**meta, "rng_state_bytes": rng}
+        nodes = [replace(v, workspace_bytes=v.workspace_bytes + one,
+                                     extra={**v.extra, "scratch_bytes": int(v.extra.get("scratch_bytes") or 0) + one})
+                 if v.extra.get("random") and v.part_of is None else v for v in nodes]
     graph = Graph(nodes, edges, fixed, {
         **step_meta(model, ctx.args, ctx.kwargs, dev, ctx.name, ctx.profile, ctx.repeats, ctx.warmup, ctx.flops_model,
                     ctx.loss_fn, ctx.optimizer, breakdown),
@@ -453,5 +469,5 @@ def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | 
 
 __all__ = ["Frontend", "TraceContext", "prepare", "trace_with", "default_loss", "model_inputs", "step_loss",
            "check_model_inputs", "split_inputs", "resolve_device", "prepare_trace", "step_meta", "model_fingerprint",
-           "fixed_bytes", "host_device_bandwidth", "plain_step_peaks", "make_optimizer", "optimizer_tensors",
+           "fixed_bytes", "host_device_bandwidth", "plain_step_peaks", "make_optimizer", "optimizer_tensors", "rng_state_bytes",
            "optimizer_step_bytes", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]

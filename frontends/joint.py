@@ -31,8 +31,12 @@ Nodes (`JointProgram.groups`; graph node i = group i):
 * ``bytes``: storages the node allocates that another node reads (an unused output, e.g. of
   ``native_batch_norm_backward``, is workspace; a leader's workspace includes its later parts'
   bytes);
-  ``workspace_bytes``: the rest of its peak while it runs (on the CPU: storages the op
-  returns but nobody keeps; allocations inside a kernel are invisible, as to `measure_peak`);
+  ``workspace_bytes``: the rest of its peak while it runs: storages the op returns but nobody
+  keeps, and what its kernels allocate inside themselves (a dropout's float draws, a CPU
+  convolution's unfolded input), which no storage shows: the allocator's own figure over the
+  node (on the CPU its events, `AllocationLog`; on CUDA `AllocatorWindow`) above the storages'.
+  That part is also ``extra["scratch_bytes"]``: the storage accounting (`measure_peak`) does not
+  see it, and `remat.core.plan.Plan.storage_peak_bytes` is the peak without it;
 * parameter gradients: the node producing one is a backward node whose value goes into
   ``param.grad`` at once.  With ``grads="accumulated"`` (PyTorch's default loop,
   ``zero_grad(set_to_none=True)``) it is the parameter's first gradient of the step: the new
@@ -78,7 +82,7 @@ from remat.core.graph import Graph, Node
 
 from .base import Frontend, TraceContext, prepare, step_loss, trace_with
 from .capture import CaptureError, quiet_torch_logs, traced_like_export
-from .measuring import AllocatorWindow, StorageTracker, on_autograd_thread, storage_bytes, storage_key, unique_bytes
+from .measuring import AllocationLog, AllocatorWindow, StorageTracker, on_autograd_thread, storage_bytes, storage_key, unique_bytes
 from .profile import FlopsModel, Timer, is_random
 
 log = logging.getLogger(__name__)
@@ -582,6 +586,7 @@ class NodeProfile:
     alloc_bytes: int = 0
     flops: int = 0
     time: float = 0.0
+    scratch: int = 0         # of the workspace, what the kernels allocate inside themselves (no storage shows it)
 
 
 def _last_consumer(prog: JointProgram) -> list:
@@ -645,7 +650,12 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
             run_groups(range(split))
         on_autograd_thread(lambda: run_groups(range(split, n)), device)
         values.clear()
-    with torch.no_grad(), tracker:
+    # on the CPU the allocator's own events (`AllocationLog`, a window per node) show what a
+    # kernel allocates inside itself (a dropout's float draws, a convolution's unfolded input),
+    # which the storage accounting does not see; on CUDA `AllocatorWindow` does
+    log = AllocationLog() if device.type == "cpu" else None
+    visible_of: dict = {}
+    with torch.no_grad(), tracker, (log or nullcontext()):
         for g in range(n):
             if prog.part_of[g] is not None:  # (its op ran at the leader; its bytes are its tensors')
                 values[g] = run_node(g)
@@ -655,7 +665,7 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
                 continue
             m0 = tracker.mark()
             counter = FlopCounterMode(display=False) if flops else None
-            with (counter or nullcontext()), AllocatorWindow(device) as alloc:
+            with (counter or nullcontext()), AllocatorWindow(device) as alloc, (log.window(g) if log else nullcontext()):
                 local = prog.run(g, lookup)
                 stash.update(prog.take_parts(g, local))
             stolen: dict = {}
@@ -679,13 +689,19 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
             p.bytes = kept - sum(unique_bytes(stash[q].values()) for q in prog.parts[g])
             # on CUDA also what kernels allocate internally (cuDNN's workspaces, say)
             visible = tracker.peak_between(m0)
-            p.workspace = max(0, visible - p.bytes) + alloc.hidden(visible)  # (with its later parts' bytes)
+            p.scratch = alloc.hidden(visible)
+            p.workspace = max(0, visible - p.bytes) + p.scratch  # (with its later parts' bytes)
+            visible_of[g] = visible
             p.alloc_bytes = sum(d for _, d in tracker.events[m0:] if d > 0)
             p.flops = counter.get_total_flops() if counter is not None else 0
             del local
             for f in frees[g]:
                 values.pop(f, None)
     values.clear()
+    if log is not None:
+        for g, visible in visible_of.items():
+            profs[g].scratch = max(0, log.peak(g) - visible)
+            profs[g].workspace += profs[g].scratch
     if measure_time:
         timer = Timer(device)
         with torch.no_grad():
@@ -765,6 +781,8 @@ class JointFrontend(Frontend):
                 extra["param_grads"] = grads
             if bufs:
                 extra["mutates"] = bufs
+            if p.scratch:
+                extra["scratch_bytes"] = int(p.scratch)
             node_name = "loss" if kind == "loss" else head.name
             if prog.part_of[g] is not None:  # a later part of an op: its tensor only (`remat.core.graph`)
                 nodes.append(Node(g, node_name, kind, 0.0, int(p.bytes), 0, extra, part_of=prog.part_of[g]))

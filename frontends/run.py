@@ -37,7 +37,17 @@ from .measuring import Measurement, measure
 from .base import default_loss, make_optimizer, optimizer_tensors, split_inputs, step_loss
 
 
-__all__ = ["run_plan", "RunReport", "random_batch", "gradients_to_none"]
+__all__ = ["run_plan", "RunReport", "random_batch", "gradients_to_none", "metered_prediction"]
+
+
+def metered_prediction(predicted: dict, storage_peak: int) -> dict:
+    """`predicted` (a plan's, or a native execution's) with its peak as the CPU's storage
+    accounting sees it, `storage_peak` (`remat.core.simulate.storage_view`: no kernel scratch, no
+    saved generator states), the whole peak kept as ``allocator_peak_bytes`` (what the
+    allocator's own figure, ``remat.measure(..., meter="allocator")``, is compared with)."""
+    if storage_peak == predicted.get("peak_bytes"):
+        return dict(predicted)
+    return {**predicted, "peak_bytes": int(storage_peak), "allocator_peak_bytes": predicted["peak_bytes"]}
 
 
 def gradients_to_none(plan: Plan) -> bool:
@@ -185,5 +195,8 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
     if native:
         report.predicted = dict(planned.predicted)  # (after what the steps observed: `NativeExecution.held`)
         planned.remove()
+    if dev.type != "cuda":   # the storage accounting measured it: its view of the prediction
+        report.predicted = metered_prediction(report.predicted, report.predicted.get("storage_peak_bytes",
+                                                                                    plan.storage_peak_bytes))
     opt.zero_grad(set_to_none=to_none)
     return report

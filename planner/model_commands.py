@@ -163,7 +163,7 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
     per step, then plain autograd's."""
     from remat.core.plan import load_plan
     from remat.core.units import format_bytes
-    from remat.frontends.run import run_plan
+    from remat.frontends.run import metered_prediction, run_plan
 
     from .budget import baseline_peak
     from .planning import plan as make_plan
@@ -198,17 +198,25 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
         why = native_refusal(p)
         if why is None or executor == "native":
             from remat.core import native
+            from remat.core.simulate import storage_view
             sched, kept = native.nativize(p.graph, p.schedule)
-            pr = {**pr, "peak_bytes": native.native_peak(p.graph, sched)}
+            pr = {**pr, "peak_bytes": native.native_peak(p.graph, sched),
+                  "storage_peak_bytes": native.native_peak(storage_view(p.graph), sched)}
             print("executor   native (the model's own code with hooks)"
                   + (f"; kept resident where the plan recomputes: {', '.join(kept)}" if kept else ""))
         else:
             executor = "interpreter"
             print(f"executor   interpreter: {why}")
     unit = "s" if p.graph.meta.get("profiler") == "measure" else "s (flops model)"
+    on_cpu = str(args.device or next(model.parameters()).device).startswith("cpu")
+    metered = metered_prediction(pr, pr.get("storage_peak_bytes", p.storage_peak_bytes)) if on_cpu else pr
+    seen = ("" if metered["peak_bytes"] == pr["peak_bytes"] else
+            f" (tensors' storages {format_bytes(metered['peak_bytes'])}, what remat measures on the CPU: kernels' "
+            "scratch and saved generator states beside them)")
     print(f"plan       {s.get('name')}: {s.get('status')}, budget {format_bytes(p.budget_bytes)}, predicted peak "
-          f"{format_bytes(pr['peak_bytes'])}, host {format_bytes(pr['host_peak_bytes'])}, time {pr['time']:.4g} {unit} "
-          f"({pr['overhead']:.3f}x)")
+          f"{format_bytes(pr['peak_bytes'])}{seen}, host {format_bytes(pr['host_peak_bytes'])}, time {pr['time']:.4g} "
+          f"{unit} ({pr['overhead']:.3f}x)")
+    pr = metered
 
     def show(k: int, loss: float, m) -> None:
         err = (m.peak_bytes - pr["peak_bytes"]) / pr["peak_bytes"] if pr["peak_bytes"] else 0.0

@@ -120,7 +120,7 @@ def test_capacity_api_verifies_with_one_measured_step():
     v = rep.verification
     assert v is not None and v.size == rep.result.best().size and v.plan is not None
     assert v.measured_bytes <= 12 * 2 ** 20 and v.fits
-    assert v.measured_bytes == pytest.approx(v.plan.predicted["peak_bytes"], rel=0.02)
+    assert v.measured_bytes == pytest.approx(v.plan.storage_peak_bytes, rel=0.02)
     plain, ckpt = rep.peers
     assert plain.name == "plain autograd" and ckpt.name == "checkpoint every block"
     for size, measured in plain.peaks.items():  # what the family predicts for plain autograd, measured

@@ -242,3 +242,23 @@ def test_stages_from_ops_rejects_what_it_cannot_stage():
     g = tiny()
     assert stages_from_ops(g, [Op("compute", 1), Op("compute", 0), Op("compute", 2)]) is None
     assert stages_from_ops(g, [Op("compute", 0), Op("swap_out", 0)]) is None
+
+
+def test_the_storage_view_leaves_out_kernel_scratch_and_saved_generator_states():
+    """A node's ``scratch_bytes`` (inside its workspace) and ``meta["rng_state_bytes"]`` (inside the
+    fixed bytes) are bytes the allocator holds and no tensor storage shows: the plan's peak counts
+    them, `Plan.storage_peak_bytes` (what the CPU's storage accounting is compared with) does not."""
+    from remat.core.plan import Plan
+    from remat.core.simulate import storage_view
+    nodes = [Node(0, "f", "forward", 1.0, 100, 40, {"scratch_bytes": 30}), Node(1, "loss", "loss", 1.0, 10),
+             Node(2, "b", "backward", 1.0, 0, 70, {"scratch_bytes": 70, "forward": 0})]
+    g = Graph(nodes, [(0, 1), (1, 2), (0, 2)], fixed_bytes=1000, meta={"rng_state_bytes": 50})
+    view = storage_view(g)
+    assert [v.workspace_bytes for v in view.nodes] == [10, 0, 0] and view.fixed_bytes == 950
+    sched = Schedule.keep_all(g)
+    whole = simulate(g, sched).peak_bytes
+    assert whole == 1000 + 100 + 10 + 70            # at the backward: f's output, the loss's, its workspace
+    plan = Plan(g, sched, whole, {}, {"peak_bytes": whole})
+    assert plan.storage_peak_bytes == 950 + 100 + 10 == simulate(view, sched).peak_bytes
+    plain = Graph([Node(0, "f", "forward", 1.0, 100, 40), nodes[1]], [(0, 1)], fixed_bytes=5)
+    assert storage_view(plain) is plain

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 
 import remat  # noqa: E402
+from remat.core.simulate import storage_view  # noqa: E402
 from remat.frontends import apply  # noqa: E402
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError  # noqa: E402
 from remat.frontends import default_loss, measure_peak  # noqa: E402
@@ -125,7 +126,7 @@ def test_measured_peak_is_predicted_and_monotone_in_the_budget(traced):
     peaks = {}
     for budget, plan in plans.items():
         peaks[budget], _ = _measured_peak(model, inputs, plan)
-        predicted = plan.predicted["peak_bytes"]
+        predicted = plan.storage_peak_bytes   # (the storage accounting's view of the prediction)
         assert abs(peaks[budget] - predicted) <= PEAK_TOLERANCE * predicted, (name, budget, peaks[budget], predicted)
         assert abs(peaks[budget] - predicted) <= EXACT_TOLERANCE * predicted, (name, budget, peaks[budget], predicted)
         assert peaks[budget] <= plan.budget_bytes * (1 + EXACT_TOLERANCE), (name, budget, peaks[budget])
@@ -189,7 +190,7 @@ def test_swap_plans_train_as_plain_autograd_and_move_their_bytes_to_the_host(swa
     for (n, b), c in zip(ref.named_buffers(), mine.buffers()):
         assert torch.equal(b, c), (name, solver, n)
     peak, planned = _measured_peak(model, inputs, plan)
-    predicted = plan.predicted["peak_bytes"]
+    predicted = plan.storage_peak_bytes
     assert abs(peak - predicted) <= EXACT_TOLERANCE * predicted, (name, solver, peak, predicted)
     # the host holds exactly what the simulator says the swap-outs copied
     assert planned.host_peak_bytes == plan.predicted["host_peak_bytes"] > 0, (name, solver)
@@ -216,7 +217,7 @@ def test_device_bytes_follow_the_simulator_op_by_op(model_name):
     planned.on_op = lambda op, k: measured.append(base + tracker.current)
     with tracker:
         planned(*inputs).backward()
-    expected = [e["after_bytes"] for e in remat.simulate(graph, plan.schedule, timeline=True).timeline]
+    expected = [e["after_bytes"] for e in remat.simulate(storage_view(graph), plan.schedule, timeline=True).timeline]
     assert len(measured) == len(expected) == len(plan.schedule.ops)
     peak = max(expected)
     # the executor lets autograd free what v saved of its own while v's backward runs (as plain
@@ -374,7 +375,7 @@ def test_remat_run_plans_trains_and_reports_measured_against_predicted(tmp_path,
     factory.write_text(MLP_FACTORY)
     plan_path = tmp_path / "plan.json"
     # plan first (--budget), at the smallest budget checkpoint-all-with-swaps (TFLMS) reaches
-    rc = main(["run", f"{factory}:make", "--budget", "0.95x", "--solver", "tflms", "--steps", "2", "--no-progress",
+    rc = main(["run", f"{factory}:make", "--budget", "0.97x", "--solver", "tflms", "--steps", "2", "--no-progress",
                "-o", str(plan_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
