@@ -211,8 +211,7 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
     on_cpu = str(args.device or next(model.parameters()).device).startswith("cpu")
     metered = metered_prediction(pr, pr.get("storage_peak_bytes", p.storage_peak_bytes)) if on_cpu else pr
     seen = ("" if metered["peak_bytes"] == pr["peak_bytes"] else
-            f" (tensors' storages {format_bytes(metered['peak_bytes'])}, what remat measures on the CPU: kernels' "
-            "scratch and saved generator states beside them)")
+            f" ({format_bytes(metered['peak_bytes'])} of tensor storages, what the CPU meter sees)")
     print(f"plan       {s.get('name')}: {s.get('status')}, budget {format_bytes(p.budget_bytes)}, predicted peak "
           f"{format_bytes(pr['peak_bytes'])}{seen}, host {format_bytes(pr['host_peak_bytes'])}, time {pr['time']:.4g} "
           f"{unit} ({pr['overhead']:.3f}x)")
