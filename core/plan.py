@@ -70,8 +70,8 @@ class Plan:
     @property
     def storage_peak_bytes(self) -> int:
         """The predicted peak as the exact accounting of tensor storages sees it (the CPU's
-        `remat.measure`): without what kernels allocate inside themselves (`storage_view`); the
-        predicted peak when the graph records none."""
+        `remat.measure`): without what kernels allocate inside themselves and the executor's saved
+        generator states (`storage_view`); the predicted peak when the graph records neither."""
         view = storage_view(self.graph)
         if view is self.graph:
             return int(self.predicted.get("peak_bytes", simulate(self.graph, self.schedule).peak_bytes))

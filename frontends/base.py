@@ -429,7 +429,7 @@ def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
         breakdown = {**breakdown, "rng_states": rng}
         meta = {**meta, "rng_state_bytes": rng}
         nodes = [replace(v, workspace_bytes=v.workspace_bytes + one,
-                                     extra={**v.extra, "scratch_bytes": int(v.extra.get("scratch_bytes") or 0) + one})
+                         extra={**v.extra, "scratch_bytes": int(v.extra.get("scratch_bytes") or 0) + one})
                  if v.extra.get("random") and v.part_of is None else v for v in nodes]
     graph = Graph(nodes, edges, fixed, {
         **step_meta(model, ctx.args, ctx.kwargs, dev, ctx.name, ctx.profile, ctx.repeats, ctx.warmup, ctx.flops_model,
@@ -469,5 +469,5 @@ def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | 
 
 __all__ = ["Frontend", "TraceContext", "prepare", "trace_with", "default_loss", "model_inputs", "step_loss",
            "check_model_inputs", "split_inputs", "resolve_device", "prepare_trace", "step_meta", "model_fingerprint",
-           "fixed_bytes", "host_device_bandwidth", "plain_step_peaks", "make_optimizer", "optimizer_tensors", "rng_state_bytes",
-           "optimizer_step_bytes", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]
+           "fixed_bytes", "host_device_bandwidth", "plain_step_peaks", "make_optimizer", "optimizer_tensors",
+           "rng_state_bytes", "optimizer_step_bytes", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]
