@@ -180,7 +180,7 @@ def recompute_in(graph: Graph, schedule: Schedule, window: tuple[int, int]) -> f
         if op.op != "compute":
             continue
         if op.node in seen:
-            pending += graph.nodes[op.node].time
+            pending += graph.nodes[op.node].recompute_cost
             continue
         seen.add(op.node)
         if a < op.node <= b:

@@ -3,7 +3,12 @@
 A `Graph` is a DAG of forward, loss and backward nodes whose ids are a topological order
 (edge ``(i, k)`` implies ``i < k``).  Each node carries a profiled cost:
 
-* ``time``: seconds to compute it once;
+* ``time``: seconds to compute it once, at its first compute;
+* ``recompute_time``: seconds each later compute (a recomputation) takes, when it differs from
+  ``time``: a recomputation reads inputs saved long before, which the step has since pushed out
+  of the caches, so a memory-bound op can take several times its first compute
+  (`remat.frontends.profile` measures it cold).  None means ``time``.  It is never below ``time``
+  (validated), so a bound that prices every recomputation at ``time`` stays a lower bound;
 * ``bytes``: bytes of its output, allocated when it runs and held until freed;
 * ``workspace_bytes``: transient bytes that live only while it runs;
 * ``persistent_bytes``: bytes it allocates at its first run that stay allocated to the end of
@@ -26,8 +31,10 @@ counts at the last part are the ones the op really holds.  `Graph.op_members` li
 the gradients when the loop keeps them, ``meta["grads"] == "resident"``); no schedule can remove
 it and every budget includes it.  A breakdown of it may sit in ``meta["fixed_breakdown"]``.
 
-JSON format (``remat.graph``; version 3 when a node has ``part_of``, else 2 when a node has
-``persistent_bytes``, else 1, so a graph without them reads as before; all three load)::
+JSON format (``remat.graph``; version 4 when a node has ``recompute_time``, else 3 when a node
+has ``part_of``, else 2 when a node has ``persistent_bytes``, else 1, so a graph without them
+reads as before, and a reader that would price recomputations at ``time`` refuses a version-4
+file rather than mispredict it; all four load)::
 
     {"format": "remat.graph", "version": 1,
      "nodes": [{"id": 0, "name": "fc1", "kind": "forward", "time": 1e-3, "bytes": 4096,
@@ -49,8 +56,8 @@ from typing import Any, Iterable
 from .errors import InvalidInputError
 
 FORMAT = "remat.graph"
-VERSION = 3
-VERSIONS = (1, 2, 3)  # what this remat reads (1: no persistent bytes; 2: no parts)
+VERSION = 4
+VERSIONS = (1, 2, 3, 4)  # what this remat reads (1: no persistent bytes; 2: no parts; 3: no recompute times)
 KINDS = ("forward", "loss", "backward")
 DEFAULT_BANDWIDTH = 16e9  # bytes/s, host<->device, until a frontend measures it
 
@@ -66,6 +73,12 @@ class Node:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     persistent_bytes: int = 0
     part_of: int | None = None
+    recompute_time: float | None = None
+
+    @property
+    def recompute_cost(self) -> float:
+        """Seconds of one recomputation: ``recompute_time``, or ``time`` when it is None."""
+        return self.time if self.recompute_time is None else self.recompute_time
 
     def to_dict(self) -> dict:
         d = {"id": self.id, "name": self.name, "kind": self.kind, "time": self.time,
@@ -74,6 +87,8 @@ class Node:
             d["persistent_bytes"] = self.persistent_bytes
         if self.part_of is not None:
             d["part_of"] = self.part_of
+        if self.recompute_time is not None:
+            d["recompute_time"] = self.recompute_time
         d.update(self.extra)
         return d
 
@@ -164,6 +179,16 @@ class Graph:
         return [v.time for v in self.nodes]
 
     @property
+    def recompute_times(self) -> list[float]:
+        """Per node the seconds of one recomputation (`Node.recompute_cost`): what the simulator
+        charges for every compute after the first and the ILP for every R[t, i] with t > i."""
+        return [v.recompute_cost for v in self.nodes]
+
+    @property
+    def has_recompute_times(self) -> bool:
+        return any(v.recompute_time is not None for v in self.nodes)
+
+    @property
     def sizes(self) -> list[int]:
         return [v.bytes for v in self.nodes]
 
@@ -202,6 +227,11 @@ class Graph:
                 raise InvalidInputError(f"{where}.kind: unknown kind {v.kind!r}; expected one of {KINDS}")
             if not isinstance(v.time, (int, float)) or not math.isfinite(v.time) or v.time < 0:
                 raise InvalidInputError(f"{where}.time: must be a finite number >= 0, got {v.time!r}")
+            r = v.recompute_time
+            if r is not None and (not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r)
+                                  or r < v.time):
+                raise InvalidInputError(f"{where}.recompute_time: must be a finite number >= its time ({v.time!r}) "
+                                        f"or absent, got {r!r}")
             for key in ("bytes", "workspace_bytes", "persistent_bytes"):
                 val = getattr(v, key)
                 if not isinstance(val, int) or isinstance(val, bool) or val < 0:
@@ -235,7 +265,8 @@ class Graph:
             if self.nodes[l].part_of is not None or (prev.id != l and prev.part_of != l):
                 raise InvalidInputError(f"{where}: the parts of op {l} must be the nodes right after it, "
                                         f"each with part_of = {l}")
-            if v.kind != self.nodes[l].kind or v.time != 0 or v.workspace_bytes or v.persistent_bytes:
+            if v.kind != self.nodes[l].kind or v.time != 0 or v.recompute_cost != 0 or v.workspace_bytes \
+                    or v.persistent_bytes:
                 raise InvalidInputError(f"{where}: a later part has its leader's kind, time 0 and no workspace "
                                         "or persistent bytes (the leader carries the op's)")
             if self.preds[v.id] != [l]:
@@ -252,7 +283,7 @@ class Graph:
 
     # ---- serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:
-        version = 3 if self.has_parts else 2 if self.persistent_total else 1
+        version = 4 if self.has_recompute_times else 3 if self.has_parts else 2 if self.persistent_total else 1
         return {"format": FORMAT, "version": version,
                 "nodes": [v.to_dict() for v in self.nodes],
                 "edges": [list(e) for e in self.edges],
@@ -279,15 +310,19 @@ class Graph:
                     raise InvalidInputError(f"graph.nodes[{idx}].{key}: missing")
             extra = {k: v for k, v in nd.items()
                      if k not in ("id", "name", "kind", "time", "bytes", "workspace_bytes", "persistent_bytes",
-                                  "part_of")}
+                                  "part_of", "recompute_time")}
             if d["version"] == 1 and "persistent_bytes" in nd:
                 raise InvalidInputError(f"graph.nodes[{idx}].persistent_bytes: not in version 1; write version 2")
             if d["version"] < 3 and "part_of" in nd:
                 raise InvalidInputError(f"graph.nodes[{idx}].part_of: not in version {d['version']}; write version 3")
+            if d["version"] < 4 and "recompute_time" in nd:
+                raise InvalidInputError(f"graph.nodes[{idx}].recompute_time: not in version {d['version']}; "
+                                        "write version 4")
             nodes.append(Node(id=nd["id"], name=str(nd.get("name", f"n{nd['id']}")), kind=nd["kind"],
                               time=nd["time"], bytes=nd["bytes"],
                               workspace_bytes=nd.get("workspace_bytes", 0), extra=extra,
-                              persistent_bytes=nd.get("persistent_bytes", 0), part_of=nd.get("part_of")))
+                              persistent_bytes=nd.get("persistent_bytes", 0), part_of=nd.get("part_of"),
+                              recompute_time=nd.get("recompute_time")))
         edges = []
         for idx, e in enumerate(d["edges"]):
             if not (isinstance(e, (list, tuple)) and len(e) == 2 and all(isinstance(x, int) for x in e)):

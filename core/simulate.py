@@ -216,8 +216,9 @@ class SimState:
             self.pending = v.persistent_bytes
         origin[i] = how
         self.last_start = clock
-        self.clock = self.last_end = clock + v.time
-        self.compute_time += v.time
+        took = v.recompute_cost if count else v.time
+        self.clock = self.last_end = clock + took
+        self.compute_time += took
         self.counts[i] = count + 1
         self.during = during
         if during > self.peak:
@@ -366,10 +367,23 @@ def storage_view(graph: Graph) -> Graph:
     return Graph(nodes, graph.edges, graph.fixed_bytes - rng, graph.meta)
 
 
+def compute_seconds(graph: Graph, ops: Iterable[Op]) -> float:
+    """The compute stream's busy time of an op list, as `simulate` prices it: a node's first
+    compute at its ``time``, each later one at its recompute time (no transfers, no checks)."""
+    seen: set = set()
+    total = 0.0
+    for op in ops:
+        if op.op == "compute":
+            v = graph.nodes[op.node]
+            total += v.recompute_cost if op.node in seen else v.time
+            seen.add(op.node)
+    return total
+
+
 def keep_all_peak(graph: Graph) -> int:
     """Predicted peak bytes (fixed included) of plain autograd's schedule, `Schedule.keep_all`
     (what a budget of ``1x`` means)."""
     return simulate(graph, Schedule.keep_all(graph)).peak_bytes
 
 
-__all__ = ["simulate", "storage_view", "keep_all_peak", "SimResult", "SimState", "Violation", "ORIGINS"]
+__all__ = ["simulate", "compute_seconds", "storage_view", "keep_all_peak", "SimResult", "SimState", "Violation", "ORIGINS"]

@@ -142,7 +142,7 @@ def split_outputs(graph: Graph, splits: dict[int, list[tuple[int, Sequence[int]]
             raise ValueError(f"node {v.id}: parts of {taken} bytes exceed its {v.bytes}")
         lead = new_id[v.id]
         nodes.append(Node(lead, v.name, v.kind, v.time, v.bytes - taken, v.workspace_bytes + taken, dict(v.extra),
-                          v.persistent_bytes))
+                          v.persistent_bytes, recompute_time=v.recompute_time))
         for j, (b, readers) in enumerate(parts, 1):
             nodes.append(Node(lead + j, f"{v.name}.{j}", v.kind, 0.0, int(b), part_of=lead))
             edges.append((lead, lead + j))

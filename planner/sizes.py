@@ -105,6 +105,9 @@ class GraphFamily:
         xs = [float(s) for s in self.sizes]
         self._node_fits = [{key: fit_polynomial(xs, [getattr(self.graphs[s].nodes[i], key) for s in self.sizes], self.degree)
                             for key in _COSTS} for i in range(first.n)]
+        # a recomputation's seconds scale like the first compute's: the ratio at the largest size
+        self._recompute_ratio = [v.recompute_cost / v.time if v.recompute_time is not None and v.time > 0 else None
+                                 for v in self.graphs[self.sizes[-1]].nodes]
         # byte counts a frontend keeps beside the costs (output_bytes, saved_bytes...) scale alike
         self._extra_fits = [{key: fit_polynomial(xs, [self.graphs[s].nodes[i].extra[key] for s in self.sizes], self.degree)
                              for key, val in v.extra.items() if key.endswith("_bytes") and isinstance(val, int)
@@ -133,9 +136,10 @@ class GraphFamily:
                 if size > self.sizes[-1]:  # (past the traced sizes a node takes no less time than at the largest)
                     vals["time"] = max(vals["time"], v.time)
                 extra = {**v.extra, **{key: int(round(max(0.0, polynomial_value(c, size)))) for key, c in extra_fits.items()}}
+                ratio = self._recompute_ratio[v.id]
                 nodes.append(Node(v.id, v.name, v.kind, vals["time"], *(int(round(vals[k])) for k in _COSTS[1:3]),
                                   extra=extra, persistent_bytes=int(round(vals["persistent_bytes"])),
-                                  part_of=v.part_of))
+                                  part_of=v.part_of, recompute_time=None if ratio is None else vals["time"] * ratio))
             fixed = int(round(max(0.0, polynomial_value(self._fixed_fit, size))))
             meta = {**base.meta, "batch" if self.dim == "batch" else "seq_len": size,
                     "capacity": {"dim": self.dim, "traced_sizes": self.sizes, "degree": self.degree}}

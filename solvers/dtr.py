@@ -102,7 +102,7 @@ class DTRRuntime:
         self.preds = [sorted(set(p)) for p in graph.preds]
         self.succs = [sorted(set(s)) for s in graph.succs]
         self.size = graph.sizes
-        self.cost = graph.times
+        self.cost = graph.recompute_times  # (every compute DTR chooses is a rematerialisation)
         self.ws = [v.workspace_bytes for v in graph.nodes]
         remat_ok = [False] * n
         for v in graph.nodes:

@@ -229,7 +229,7 @@ def chain_bound(graph: Graph, budget_bytes: int) -> float | None:
             return None  # nothing fits: the forced-need check says so
         slots = max(slots, min(room // m_min, j - 2))
     advances = binomial_cost(l, 1 + slots)
-    cheapest = min(graph.nodes[v].time for v in fwd)
+    cheapest = min(graph.nodes[v].recompute_cost for v in fwd)
     return graph.total_time + max(0, advances - (l - 1)) * cheapest
 
 

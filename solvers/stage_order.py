@@ -36,7 +36,7 @@ from typing import Iterator, Sequence
 
 from remat.core.graph import Graph
 from remat.core.schedule import Op, Schedule, ops_from_stages
-from remat.core.simulate import SimState
+from remat.core.simulate import SimState, compute_seconds
 
 TRIES = 200  # random orders per stage that peaks above the budget in id order
 
@@ -191,7 +191,7 @@ def evict_to_fit(graph: Graph, schedule: Schedule, budget_bytes: int, alphas: Se
         stop = worse_than if best is None else best[0] if worse_than is None else min(worse_than, best[0])
         out = _evict_replay(graph, ops, budget_bytes, alpha, ahead, stop, deadline)
         if out is not None:
-            t = sum(graph.nodes[op.node].time for op in out if op.op == "compute")
+            t = compute_seconds(graph, out)
             if best is None or t < best[0]:
                 best = (t, out)
         if deadline is not None and _time.perf_counter() > deadline:
@@ -205,7 +205,7 @@ class _NoFit(Exception):
 
 def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: float, ahead: bool,
                   stop: float | None, deadline: float | None) -> list[Op] | None:
-    M, C = graph.sizes, graph.times
+    M, C, CR = graph.sizes, graph.times, graph.recompute_times
     forward = [v.kind == "forward" for v in graph.nodes]
     preds = [sorted(set(p)) for p in graph.preds]
     cap = budget_bytes - graph.fixed_bytes
@@ -243,9 +243,9 @@ def _evict_replay(graph: Graph, ops: Sequence[Op], budget_bytes: int, alpha: flo
         return rebuild_cost(v, held[later[k]] if ahead else res, set()) / (max(M[v], 1) * (d + 1e-12) ** alpha)
 
     def rebuild_cost(v: int, there: frozenset[int] | set[int], seen: set[int]) -> float:
-        # v's time and that of its forward ancestors missing from `there`
+        # v's recompute time and that of its forward ancestors missing from `there`
         seen.add(v)
-        return C[v] + sum(rebuild_cost(u, there, seen) for u in preds[v]
+        return CR[v] + sum(rebuild_cost(u, there, seen) for u in preds[v]
                           if u not in there and u not in seen and forward[u])
 
     def drop(v: int) -> None:

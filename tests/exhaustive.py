@@ -28,6 +28,7 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
     M = [v.bytes for v in graph.nodes]
     W = [v.workspace_bytes for v in graph.nodes]
     C = [v.time for v in graph.nodes]
+    CR = graph.recompute_times  # (stage t computes t for the first time; any other compute in it is a recomputation)
     P = [v.persistent_bytes for v in graph.nodes]  # allocated at a node's first compute, kept
     bw = bandwidth if bandwidth is not None else graph.bandwidth
     preds, succs = graph.preds, graph.succs
@@ -70,7 +71,7 @@ def exhaustive_optimum(graph, budget_bytes: int, swap: bool, bandwidth: float | 
         if t == n - 1:
             peak = max(peak, sum(P))  # the step's end: every other value freed, every persistent byte there
         fetch = sum(M[i] / bw for i in SF)
-        time = fetch + max(sum(C[k] for k in R), sum(M[i] / bw for i in SO | SI))
+        time = fetch + max(sum(C[k] if k == t else CR[k] for k in R), sum(M[i] / bw for i in SO | SI))
         return peak, time
 
     @lru_cache(maxsize=None)

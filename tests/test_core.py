@@ -9,6 +9,7 @@ from remat import Graph, InvalidInputError, Node, Op, Schedule, Stage, simulate
 from remat.generators import linear_chain, random_layered, unet
 from remat.budget import parse_budget
 from remat.core.schedule import solve_r_opt
+from remat.core.simulate import compute_seconds
 
 
 def tiny() -> Graph:
@@ -69,12 +70,30 @@ def _mut(path, value):
     (lambda d: d.pop("nodes") and d, "graph.nodes: missing"),
     (lambda d: d["nodes"][0].pop("kind") and d, "graph.nodes[0].kind: missing"),
     (_mut(["edges", 0], "0-1"), "graph.edges[0]"),
+    (lambda d: d["nodes"][1].update(recompute_time=2.0) or d, "graph.nodes[1].recompute_time: not in version 1"),
+    (lambda d: d.update(version=4) or d["nodes"][1].update(recompute_time=0.5) or d,
+     "graph.nodes[1] ('f1').recompute_time: must be a finite number >= its time"),
 ])
 def test_malformed_graph_names_the_field(mutate, needle):
     d = mutate(linear_chain(3).to_dict())
     with pytest.raises(InvalidInputError) as e:
         Graph.from_dict(json.loads(json.dumps(d)))
     assert needle in str(e.value)
+
+
+def test_recompute_times_price_later_computes_and_round_trip_as_version_4():
+    g = linear_chain(3)  # unit times
+    nodes = [Node(v.id, v.name, v.kind, v.time, v.bytes, recompute_time=3.0 if v.id == 0 else None) for v in g.nodes]
+    cold = Graph(nodes, g.edges, g.fixed_bytes, g.meta)
+    assert cold.recompute_times == [3.0] + g.times[1:]
+    again = Graph.from_dict(json.loads(json.dumps(cold.to_dict())))
+    assert cold.to_dict()["version"] == 4 and again.nodes[0].recompute_time == 3.0
+    assert again.content_hash() == cold.content_hash() != g.content_hash()
+    # node 0 computed twice: its first compute at 1 s, the second at 3 s
+    ops = [Op("compute", 0, 0), Op("compute", 1, 1), Op("free", 0, 1), Op("compute", 0, 2), Op("free", 0, 2)]
+    assert simulate(cold, ops).compute_time == 1 + 1 + 3
+    assert simulate(g, ops).compute_time == 3
+    assert compute_seconds(cold, ops) == 5
 
 
 def test_backward_edge_without_cycle_asks_for_renumbering():

@@ -13,7 +13,7 @@ from remat.core.errors import InfeasibleBudgetError
 from remat.generators import linear_chain, random_layered, unet
 from remat.core import analysis  # noqa: F401
 from remat.solvers import get, griewank, ilp, lp_round, names
-from remat.solvers.ilp import bounds, exact, mip, warm
+from remat.solvers.ilp import bounds, exact, instant, mip, warm
 from remat.solvers.baselines import checkpoint_all
 
 
@@ -29,6 +29,14 @@ def with_persistent(g: Graph, size: int) -> Graph:
     return Graph(nodes, g.edges, g.fixed_bytes, g.meta)
 
 
+def with_recompute_times(g: Graph, factor: float) -> Graph:
+    """`g` whose forward nodes take `factor` times their time when recomputed, every other one
+    (a cold cache: `Node.recompute_time`)."""
+    nodes = [Node(v.id, v.name, v.kind, v.time, v.bytes, v.workspace_bytes, persistent_bytes=v.persistent_bytes,
+                  recompute_time=v.time * factor if v.kind == "forward" and v.id % 2 == 0 else None) for v in g.nodes]
+    return Graph(nodes, g.edges, g.fixed_bytes, g.meta)
+
+
 TINY = {
     "chain3": linear_chain(3, bandwidth=4),
     "random3a": random_layered(3, seed=1, width=2, bandwidth=8),
@@ -36,6 +44,7 @@ TINY = {
     "random3_ws_fixed": with_workspace_and_fixed(random_layered(3, seed=2, width=2, bandwidth=4), 2, 3),
     "random3_persistent": with_persistent(with_workspace_and_fixed(random_layered(3, seed=3, width=2, bandwidth=4),
                                                                    1, 2), 2),
+    "random3_recompute_times": with_recompute_times(random_layered(3, seed=1, width=2, bandwidth=8), 3.0),
 }
 
 
@@ -94,6 +103,7 @@ GRAPHS = {
     "chain8": linear_chain(8),
     "random10": random_layered(10, seed=3),
     "unet2": unet(2),
+    "random10_cold": with_recompute_times(random_layered(10, seed=3), 2.5),
 }
 
 
@@ -126,6 +136,21 @@ def test_ilp_beats_every_baseline_and_lp_bound_holds(name, ratio):
             assert s.report["objective"] <= rb.time + 1e-9, other
         assert_executable(g, rb, other)
     assert_executable(g, res, "ilp")
+
+
+@pytest.mark.parametrize("ratio", [0.7, 0.5])
+def test_bounds_price_recomputations_at_their_recompute_time(ratio):
+    g = GRAPHS["random10_cold"]
+    plain = Graph([Node(v.id, v.name, v.kind, v.time, v.bytes, v.workspace_bytes) for v in g.nodes], g.edges)
+    full = simulate(g, checkpoint_all(g)).peak_bytes
+    budget = max(int(full * ratio), ilp.min_feasible_budget(g, swap=False)[0])
+    s = ilp.solve(g, budget, swap=False, time_limit=60)
+    assert s.report["status"] == "optimal"
+    # dearer recomputations: a slower optimum than the same graph priced at the first computes'
+    assert s.report["objective"] > ilp.solve(plain, budget, swap=False, time_limit=60).report["objective"]
+    for bound in (bounds.knapsack_bound(g, budget), bounds.window_bound(g, budget),
+                  instant.solve(g, budget, time_limit=30)["bound"]):
+        assert bound <= s.report["objective"] + 1e-9
 
 
 def assert_executable(g, res, who):

@@ -4,7 +4,7 @@ Both hold for every schedule whose backward nodes run once (the ILP's default mo
 instants are those of `remat.core.analysis` (node t computed for the first time).
 
 Moment knapsack (`knapsack_bound`, recompute only).  At instant t every value v < t that a node
-after t reads is either resident or computed again later (cost C_v each; without swap there is
+after t reads is either resident or computed again later (cost C_v each, its recompute time; without swap there is
 no third way, and a backward value or the loss cannot be recomputed, so it must be resident).
 Resident bytes at that instant are at most cap_t = B - fixed - forced_t (`forced_loads`: t's
 output, workspace, forward inputs P_t and the gradients alive across t), so the recomputation
@@ -46,7 +46,7 @@ def knapsack_bound(graph: Graph, budget_bytes: int) -> float | None:
     n = graph.n
     cap0 = budget_bytes - graph.fixed_bytes
     last_use = [max(s, default=-1) for s in graph.succs]
-    C = graph.times
+    C = graph.recompute_times
     M = graph.sizes
     # t's output, workspace and inputs, and the gradients and loss still to be read (never
     # recomputed) must be resident
@@ -103,7 +103,7 @@ def window_bound(graph: Graph, budget_bytes: int, time_limit: float | None = WIN
     recomputation needs its own inputs (on a unit chain it stops where the knapsack does)."""
     n = graph.n
     cap0 = budget_bytes - graph.fixed_bytes
-    C, M = graph.times, graph.sizes
+    C, M = graph.recompute_times, graph.sizes
     cu = time_unit(graph)
     bw = float(bandwidth if bandwidth is not None else graph.bandwidth)
     unit = math.gcd(*[m for m in M if m > 0]) or 1

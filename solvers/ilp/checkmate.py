@@ -71,7 +71,8 @@ The time model is the simulator's for the op list that `Schedule.from_stages` em
 start at the stage start on their own stream: fetches first, waited for before the first
 compute, then swap-outs and prefetches, waited for at the stage end.  So a stage lasts
 fetch + max(compute, swap-out + prefetch), and the objective equals `simulate(...).time`
-(tested).  What the stage model cannot express: a transfer spread over several stages, and a
+(tested): node i's compute in stage i is its first, priced at ``time``; R[t, i] for t > i is a
+recomputation, priced at ``recompute_time`` (`Graph.recompute_times`).  What the stage model cannot express: a transfer spread over several stages, and a
 swap-in consumed mid-stage while earlier computes of the stage overlap it (TFLMS's op lists can
 do both, so a bare op list can beat the ILP's "optimal" swap schedule by that overlap).
 
@@ -160,6 +161,7 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     PB = [sum(P[:t]) for t in range(n)]  # persistent quanta allocated before stage t
     cu = time_unit(graph)
     C = [v.time / cu for v in graph.nodes]
+    CR = [c / cu for c in graph.recompute_times]  # (a compute in a later stage is a recomputation)
     bw = float(bandwidth if bandwidth is not None else graph.bandwidth)
     X = [v.bytes / bw / cu for v in graph.nodes]  # transfer time, in time units
     succs, preds = graph.succs, graph.preds
@@ -328,7 +330,7 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
     tau: dict = {}
     if swap and SO:
         for t in range(n):
-            comp = C[t] + pulp.lpSum(C[i] * R[t, i] for i in range(t) if (t, i) in R)
+            comp = C[t] + pulp.lpSum(CR[i] * R[t, i] for i in range(t) if (t, i) in R)
             xfer = [X[i] * v for (tt, i), v in SO.items() if tt == t] + \
                    [X[i] * v for (tt, i), v in SI.items() if tt == t]
             fetch = [X[i] * v for (tt, i), v in SF.items() if tt == t]
@@ -337,9 +339,9 @@ def build_model(graph: Graph, budget_bytes: int, *, swap: bool = True, bandwidth
                 add(tau[t] >= pulp.lpSum(fetch) + comp, f"stage_compute_{t}")
                 add(tau[t] >= pulp.lpSum(fetch) + pulp.lpSum(xfer), f"stage_transfer_{t}")
         prob += pulp.lpSum(tau.values()) + pulp.lpSum(
-            C[t] + pulp.lpSum(C[i] * R[t, i] for i in range(t) if (t, i) in R) for t in range(n) if t not in tau)
+            C[t] + pulp.lpSum(CR[i] * R[t, i] for i in range(t) if (t, i) in R) for t in range(n) if t not in tau)
     else:
-        prob += sum(C) + pulp.lpSum(C[i] * v for (t, i), v in R.items())
+        prob += sum(C) + pulp.lpSum(CR[i] * v for (t, i), v in R.items())
     return Model(prob, R, S, SO, SI, SF, FREE, U, tau, q, cu, B, swap,
                  meta={"memory_units_budget": B, "variables": len(prob.variables()),
                        "constraints": len(prob.constraints), "quantised": quantised, "M": M, "W": W, "P": P})

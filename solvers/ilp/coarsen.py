@@ -209,8 +209,9 @@ def coarsen(graph: Graph, groups: list[list[int]]) -> Coarsening:
         # coarse node counts only after it runs
         ws = max(0, max(W[j] + sum(P[:j]) - sum(M[j + 1:]) for j in range(len(g))))
         name = graph.nodes[g[0]].name if len(g) == 1 else f"{graph.nodes[g[0]].name}..{graph.nodes[g[-1]].name}"
+        recompute = float(sum(graph.nodes[v].recompute_cost for v in g)) if graph.has_recompute_times else None
         nodes.append(Node(x, name, kinds.pop(), float(sum(graph.nodes[v].time for v in g)), int(sum(M)), int(ws),
-                          extra={"members": [g[0], g[-1]]}, persistent_bytes=int(sum(P))))
+                          extra={"members": [g[0], g[-1]]}, persistent_bytes=int(sum(P)), recompute_time=recompute))
     edges = {(gof[a], gof[b]) for a, b in graph.edges if gof[a] != gof[b]}
     meta = dict(graph.meta)
     meta["model"] = f"coarse({graph.meta.get('model', '?')}, {len(groups)} of {graph.n})"

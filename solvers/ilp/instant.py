@@ -175,7 +175,7 @@ def build(graph: Graph, budget_bytes: int, *, swap: bool = False, bandwidth: flo
         raise ValueError("instant IP: a window model is recompute-only and has no rebuild moments")
     first, last = window if window is not None else (0, graph.n - 1)
     n = graph.n
-    C, M = graph.times, graph.sizes
+    C, M = graph.recompute_times, graph.sizes  # (C prices the rebuilds N only)
     fwd = [v.kind == "forward" for v in graph.nodes]
     preds = [sorted(set(p)) for p in graph.preds]
     cap = budget_bytes - graph.fixed_bytes

@@ -472,7 +472,7 @@ class ScalableSearch:
             _time.perf_counter() + (LNS_SWAP_SHARE if self.swap else LNS_SHARE) * self.left()
         regions = instant.neighbourhoods(graph, LNS_PARTS)
         counts = simulate(graph, self.ip_start, self.bandwidth).compute_counts
-        regions.sort(key=lambda r: sum((counts[v] - 1) * graph.nodes[v].time for v in r))
+        regions.sort(key=lambda r: sum((counts[v] - 1) * graph.nodes[v].recompute_cost for v in r))
         regions = regions[-1:] + regions[:-1]  # the most recomputed first, then the others from the least
         # then time windows (every value free in a run of instants), the most recomputed first
         windows = instant.time_windows(graph, LNS_PARTS)
