@@ -36,7 +36,8 @@ from remat.core.graph import Node
 
 from .base import Frontend, TraceContext, model_inputs
 from .capture import Captured, capture
-from .profile import FlopsModel, Runner, StageProfile, is_random, profile_runner, release_plan, run_nodes, writes_of
+from .profile import (FlopsModel, Runner, StageProfile, cold_times, is_random, profile_runner, release_plan, run_nodes,
+                      writes_of)
 from .segments import Segment, auto_depth, cut, group_modules, repeated_blocks
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ class ModuleFrontend(Frontend):
     def profile(self, ctx: TraceContext) -> None:
         ctx.state["profiles"] = _profile_all(ctx.state["cap"], ctx.state["stages"], ctx.model, ctx.args, ctx.loss_fn,
                                              ctx.device, ctx.measure_time, ctx.warmup, ctx.repeats, ctx.flops,
-                                             ctx.progress, ctx.name, fresh_grads=ctx.grads == "accumulated")
+                                             ctx.progress, ctx.name, fresh_grads=ctx.grads == "accumulated",
+                                             cold=self.granularity == "module")
 
     def assemble(self, ctx: TraceContext) -> tuple[list[Node], list[tuple[int, int]], dict]:
         cap, stages = ctx.state["cap"], ctx.state["stages"]
@@ -107,7 +109,7 @@ class ModuleFrontend(Frontend):
 # ---- profiling ---------------------------------------------------------------------------------
 def _profile_all(cap: Captured, stages: list[Segment], model: torch.nn.Module, args: tuple, loss_fn: Callable,
                  dev: torch.device, measure_time: bool, warmup: int, repeats: int, flops: bool, progress: bool,
-                 model_name: str, fresh_grads: bool = False):
+                 model_name: str, fresh_grads: bool = False, cold: bool = False):
     # parameter gradients preallocated so each stage's backward accumulates into them (with
     # fresh_grads each stage's own are dropped before its measured backward: `profile`); the
     # caller's gradients are put back afterwards
@@ -118,7 +120,7 @@ def _profile_all(cap: Captured, stages: list[Segment], model: torch.nn.Module, a
     statics = list(model.parameters()) + list(model.buffers()) + [p.grad for p in trainable]
     try:
         return _profile_stages(cap, stages, args, loss_fn, dev, measure_time, warmup, repeats, flops, progress,
-                               model_name, statics, fresh_grads)
+                               model_name, statics, fresh_grads, cold)
     finally:
         for p, g in stashed:
             p.grad = g
@@ -126,13 +128,16 @@ def _profile_all(cap: Captured, stages: list[Segment], model: torch.nn.Module, a
 
 def _profile_stages(cap: Captured, stages: list[Segment], args: tuple, loss_fn: Callable, dev: torch.device,
                     measure_time: bool, warmup: int, repeats: int, flops: bool, progress: bool, model_name: str,
-                    statics: list, fresh_grads: bool = False):
+                    statics: list, fresh_grads: bool = False, cold: bool = False):
+    """Each stage's profile (`profile_runner`), the loss's; with `cold` (module stages, each
+    recomputed whole) and `measure_time`, each forward's recompute time (`profile.cold_times`)."""
     from tqdm import tqdm
 
     env: dict = dict(cap.values)
     rg: dict = {n: isinstance(v, torch.Tensor) and cap.kinds[n] == "parameter" and v.requires_grad
                 for n, v in cap.values.items()}
     profs: list[StageProfile] = []
+    runners: list[Runner] = []
     rng_flags: list[bool] = []
     mutated: list[list[str]] = []
     kw = dict(device=dev, measure_time=measure_time, warmup=warmup, repeats=repeats, flops=flops,
@@ -160,11 +165,17 @@ def _profile_stages(cap: Captured, stages: list[Segment], args: tuple, loss_fn: 
                             for (i, t), (v, before) in zip(watched, versions)
                             if t._version != v or not torch.equal(t, before)])
             profs.append(prof)
+            runners.append(runner)
             rng_flags.append(prof.random)
             bar.update()
         bar.set_postfix_str("loss")
         loss_prof = _profile_loss(cap, env, rg, args, loss_fn, kw)
         bar.update()
+    if measure_time and cold:
+        # each forward again with its inputs out of the caches, as a recomputation finds them
+        cold = cold_times([lambda r=r: r.forward(r.make_inputs()[0]) for r in runners], dev, repeats)
+        for prof, t in zip(profs, cold):
+            prof.recompute_time = max(prof.fwd_time, t)
     return profs, loss_prof, rng_flags, mutated
 
 
@@ -296,9 +307,10 @@ def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], l
             extra["mutates"] = mutated[j]
         if profile == "flops":
             extra["flops"] = p.fwd_flops
+        recompute = None if profile == "flops" or p.recompute_time is None else float(p.recompute_time)
         nodes.append(Node(j, s.name, "forward", float(t_fwd(p)),
                           int(max(p.output_bytes + p.saved_bytes, p.retained_bytes)),
-                          int(p.fwd_workspace), extra))
+                          int(p.fwd_workspace), extra, recompute_time=recompute))
     lp = loss_prof
     loss_kept = max(lp.output_bytes + lp.saved_bytes, lp.retained_bytes)
     loss_ws = max(lp.fwd_workspace + loss_kept, loss_kept + lp.bwd_workspace + lp.grad_bytes) - lp.grad_bytes

@@ -259,6 +259,31 @@ def test_measure_profile_positive_and_repeatable():
     assert 1 / 3 < ratio < 3, ratio
 
 
+def test_module_nodes_carry_a_cold_recompute_time_and_other_graphs_none(monkeypatch):
+    from remat.frontends import modules, profile
+    seen = []
+
+    def cold_times(runs, device, repeats):
+        seen.append((len(runs), repeats))
+        return profile.cold_times(runs, device, repeats)
+    monkeypatch.setattr(modules, "cold_times", cold_times)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+    x = torch.randn(64, 256)
+    g = trace(model, x, granularity="module")
+    fwd = [v for v in g.nodes if v.kind == "forward"]
+    # every forward module timed again cold, never below the first compute's time; nothing
+    # else has a recompute time
+    assert seen == [(len(fwd), g.meta["profile_options"]["repeats"])]
+    assert all(v.recompute_time is not None and v.recompute_time >= v.time for v in fwd)
+    assert all(v.recompute_time is None for v in g.nodes if v.kind != "forward")
+    assert g.to_dict()["version"] == 4 and g.recompute_times[0] == fwd[0].recompute_time
+    for other in (trace(model, x, granularity="module", profile="flops"), trace(model, x, granularity="joint"),
+                  trace(model, x, granularity="op-stages")):
+        assert not other.has_recompute_times
+    assert len(seen) == 1
+
+
 def test_op_stages_one_node_per_op():
     g = _trace(Tiny(), torch.randn(2, 8), granularity="op-stages")
     fwd = [g.nodes[i] for i in g.forward_ids()]
