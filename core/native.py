@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from .graph import Graph
 from .schedule import Schedule
-from .simulate import simulate
+from .simulate import simulate, storage_view
 
 
 def recomputable(graph: Graph, v: int) -> bool:
@@ -245,5 +245,15 @@ def native_peak(graph: Graph, schedule: Schedule, held: dict | None = None) -> i
     return max(peak, sim.peak_bytes)
 
 
+def native_prediction(graph: Graph, schedule: Schedule, held: dict | None = None) -> dict:
+    """What native execution of `schedule` predicts: the simulator's time, overhead and host
+    peak, `native_peak` as ``peak_bytes``, and as ``storage_peak_bytes`` the same peak as the
+    exact accounting of tensor storages sees it (`storage_view`)."""
+    sim = simulate(graph, schedule)
+    return {"peak_bytes": native_peak(graph, schedule, held), "time": sim.time, "overhead": sim.overhead(graph),
+            "host_peak_bytes": sim.host_peak_bytes,
+            "storage_peak_bytes": native_peak(storage_view(graph), schedule, held)}
+
+
 __all__ = ["recomputable", "events", "Events", "obstacle", "plain_nodes", "nativize", "returned_nodes",
-           "engine_sums", "native_peak"]
+           "engine_sums", "native_peak", "native_prediction"]

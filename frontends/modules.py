@@ -253,16 +253,22 @@ def _saved_preds(s: Segment, p: StageProfile, producer: dict, preds: list[int]) 
     return [u in saved for u in preds]
 
 
+def _backward_id(m: int, v: int) -> int:
+    """The id of forward node v's backward node in a module graph of m forward nodes: forward
+    nodes 0..m-1, the loss m, then the backward nodes in reverse order."""
+    return m + 1 + (m - 1 - v)
+
+
 def _engine_sums(profs: list[StageProfile], m: int) -> list[dict]:
     """The parameters whose gradient several backward nodes contribute (a tied weight: an
     embedding and the LM head that shares it), each as ``{"bytes": its gradient's bytes,
     "nodes": the contributing backward nodes in the backward's order}`` (`remat.core.native`
     counts what autograd's engine does with them)."""
     contributors: dict = {}
-    for v in reversed(range(m)):   # backward node of forward node v: id m + 1 + (m - 1 - v)
+    for v in reversed(range(m)):
         if profs[v].differentiable:
             for k, b in profs[v].param_grads.items():
-                contributors.setdefault(k, (b, []))[1].append(m + 1 + (m - 1 - v))
+                contributors.setdefault(k, (b, []))[1].append(_backward_id(m, v))
     return [{"bytes": int(b), "nodes": ns} for b, ns in contributors.values() if len(ns) > 1]
 
 
@@ -285,7 +291,7 @@ def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], l
             succs[p].append(j)
     feeds_loss = {producer[o] for o in cap.outputs if isinstance(o, fx.Node) and o in producer}
     loss = m
-    bwd = {v: m + 1 + (m - 1 - v) for v in range(m)}
+    bwd = {v: _backward_id(m, v) for v in range(m)}
 
     def t_fwd(p: StageProfile) -> float:
         return fm.time(p.fwd_flops, p.fwd_alloc_bytes) if profile == "flops" else p.fwd_time

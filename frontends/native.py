@@ -56,7 +56,7 @@ from remat.core.graph import Graph
 from remat.core.plan import Plan
 from remat.core.schedule import Schedule
 from remat.core import native
-from remat.core.simulate import simulate, storage_view
+from remat.core.simulate import simulate
 
 from .base import default_loss, step_loss
 from .measuring import storage_key
@@ -542,12 +542,7 @@ class NativeExecution:
             self.glue_preds[w].sort()
 
     def _predict(self) -> None:
-        graph = self.plan.graph
-        sim = simulate(graph, self.schedule)
-        view = storage_view(graph)
-        self.predicted = {"peak_bytes": native.native_peak(graph, self.schedule, self.held), "time": sim.time,
-                          "overhead": sim.overhead(graph), "host_peak_bytes": sim.host_peak_bytes,
-                          "storage_peak_bytes": native.native_peak(view, self.schedule, self.held)}
+        self.predicted = native.native_prediction(self.plan.graph, self.schedule, self.held)
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``loss_fn(model(*args, **kwargs), *args)``: one step's loss, for loops written for the

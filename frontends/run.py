@@ -196,7 +196,7 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
         report.predicted = dict(planned.predicted)  # (after what the steps observed: `NativeExecution.held`)
         planned.remove()
     if dev.type != "cuda":   # the storage accounting measured it: its view of the prediction
-        report.predicted = metered_prediction(report.predicted, report.predicted.get("storage_peak_bytes",
-                                                                                    plan.storage_peak_bytes))
+        seen = report.predicted.get("storage_peak_bytes")
+        report.predicted = metered_prediction(report.predicted, plan.storage_peak_bytes if seen is None else seen)
     opt.zero_grad(set_to_none=to_none)
     return report

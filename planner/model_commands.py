@@ -198,10 +198,8 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
         why = native_refusal(p)
         if why is None or executor == "native":
             from remat.core import native
-            from remat.core.simulate import storage_view
             sched, kept = native.nativize(p.graph, p.schedule)
-            pr = {**pr, "peak_bytes": native.native_peak(p.graph, sched),
-                  "storage_peak_bytes": native.native_peak(storage_view(p.graph), sched)}
+            pr = {**pr, **native.native_prediction(p.graph, sched)}
             print("executor   native (the model's own code with hooks)"
                   + (f"; kept resident where the plan recomputes: {', '.join(kept)}" if kept else ""))
         else:
@@ -209,7 +207,8 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
             print(f"executor   interpreter: {why}")
     unit = "s" if p.graph.meta.get("profiler") == "measure" else "s (flops model)"
     on_cpu = str(args.device or next(model.parameters()).device).startswith("cpu")
-    metered = metered_prediction(pr, pr.get("storage_peak_bytes", p.storage_peak_bytes)) if on_cpu else pr
+    metered = metered_prediction(pr, pr["storage_peak_bytes"] if "storage_peak_bytes" in pr else p.storage_peak_bytes) \
+        if on_cpu else pr
     seen = ("" if metered["peak_bytes"] == pr["peak_bytes"] else
             f" ({format_bytes(metered['peak_bytes'])} of tensor storages, what the CPU meter sees)")
     print(f"plan       {s.get('name')}: {s.get('status')}, budget {format_bytes(p.budget_bytes)}, predicted peak "
