@@ -7,7 +7,8 @@ on the CPU, median of 3 steps) and their peaks extrapolated to the largest batch
 searches the largest batch per overhead level (no recomputation, <= 1.1x, <= 1.3x, and <= the
 step-time ratio checkpointing measured at its own answer, in turns with plain autograd at that
 batch, so the two are compared at the same overhead).  remat's
-answer at the largest level is traced at its size, planned and run for `--steps` steps: the
+answer at the largest level is traced at its size, planned and run for `--steps` steps (natively
+where the plan fits that way, else by the interpreter: ``executor="auto"``): the
 measured peak must be within the memory; the measured step time is set against plain autograd's
 at the same batch.  Figures are ratios: remat's batch over plain's and over checkpointing's.
 
@@ -40,7 +41,7 @@ CASES = {
 }
 COLUMNS = ("case", "memory", "granularity", "nodes", "plain_batch", "plain_predicted_batch", "ckpt_batch",
            "ckpt_time_ratio", "ckpt_time_ratio_traced", "remat_no_recompute", "remat_1.1x", "remat_1.3x",
-           "remat_at_ckpt_ratio", "remat_at_ckpt_ratio_proven", "verified_batch", "verified_peak",
+           "remat_at_ckpt_ratio", "remat_at_ckpt_ratio_proven", "verified_batch", "verified_executor", "verified_peak",
            "verified_predicted_peak", "verified_predicted_overhead", "verified_time_ratio", "remat_over_plain",
            "remat_over_ckpt_same_overhead")
 
@@ -78,8 +79,9 @@ def run_case(case: str, steps: int, time_limit: float) -> dict:
             "remat_no_recompute": levels.get(1.0), "remat_1.1x": levels.get(1.1),
             "remat_1.3x": levels.get(1.3), "remat_at_ckpt_ratio": at_ckpt.size,
             "remat_at_ckpt_ratio_proven": at_ckpt.proven, "verified_batch": v.size if v else None,
+            "verified_executor": v.executor if v else None,
             "verified_peak": v.measured_bytes if v else None,
-            "verified_predicted_peak": v.plan.predicted["peak_bytes"] if v and v.plan else None,
+            "verified_predicted_peak": v.predicted_bytes if v else None,
             "verified_predicted_overhead": round(v.plan.predicted["overhead"], 3) if v and v.plan else None,
             "verified_time_ratio": round(v.time_ratio, 3) if v and v.time_ratio else None,
             "remat_over_plain": round(res.best().size / plain.size, 2) if plain.size else None,
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
         print(f"{case}: within {format_bytes(row['memory'])}: plain batch {row['plain_batch']}, checkpoint every block "
               f"{row['ckpt_batch']} ({row['ckpt_time_ratio']}x time), remat {row['remat_no_recompute']} / "
               f"{row['remat_1.1x']} / {row['remat_1.3x']} (none / 1.1x / 1.3x), {row['remat_at_ckpt_ratio']} at "
-              f"checkpointing's {row['ckpt_time_ratio']}x; verified batch {row['verified_batch']}: "
+              f"checkpointing's {row['ckpt_time_ratio']}x; verified batch {row['verified_batch']} ({row['verified_executor']}): "
               f"{format_bytes(row['verified_peak'] or 0)} measured, {row['verified_time_ratio']}x plain's time "
               f"(predicted {row['verified_predicted_overhead']}x)", flush=True)
     write_csv(args.output, COLUMNS, rows)

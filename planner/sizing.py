@@ -67,6 +67,8 @@ class Verification:
     reason: str = ""
     step_time: float | None = None   # median measured seconds of the planned steps
     plain_time: float | None = None  # and of plain autograd's at the same size (on a CPU, which has the room)
+    executor: str = "interpreter"    # what ran them: "native" (the model's own code) or "interpreter"
+    predicted_bytes: int | None = None  # the peak that executor predicts, as the device's meter sees it
 
     @property
     def time_ratio(self) -> float | None:
@@ -240,6 +242,8 @@ def verify_size(make: Callable, size: int, dim: str, memory: int, trace_options:
                 **plan_options: Any) -> Verification:
     """Trace at `size`, plan within `memory`, run `steps` planned steps and measure their peak
     (and, with more than one step on a CPU, as many plain autograd steps for the time ratio).
+    The steps run as a user would run the plan: natively where it fits that way
+    (``executor="auto"``, `remat.apply`), else by the interpreter.
     `start`, the search's plan at that size (made on the scaled graph), runs instead of the fresh
     plan when the traced graph has the same nodes, its schedule fits the memory there too and the
     simulator says it is faster (a solver's time limit can give the fresh plan a worse schedule)."""
@@ -258,9 +262,10 @@ def verify_size(make: Callable, size: int, dim: str, memory: int, trace_options:
     if reused is not None and (p is None or reused.predicted["time"] < p.predicted["time"]):
         p = reused
     plain = device.type == "cpu" and steps > 1  # (plain autograd may not fit a real device's memory)
-    rep = run_plan(model, inputs, p, steps=steps, device=device, loss_fn=loss_fn, plain=plain)
+    rep = run_plan(model, inputs, p, steps=steps, device=device, loss_fn=loss_fn, plain=plain, executor="auto")
     return Verification(size, p, rep.peak_bytes, memory, step_time=rep.step_time,
-                        plain_time=rep.plain.time if rep.plain is not None else None)
+                        plain_time=rep.plain.time if rep.plain is not None else None, executor=rep.executor,
+                        predicted_bytes=rep.predicted.get("peak_bytes"))
 
 
 def _replayed(graph: Graph, start: Plan | None, memory: int) -> Plan | None:
