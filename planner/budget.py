@@ -65,10 +65,11 @@ def _split(text: str) -> tuple[Decimal, str]:
     return value, unit
 
 
-def parse_budget(value: "str | int", graph: "Graph | None" = None) -> int:
+def parse_budget(value: "str | int", graph: "Graph | None" = None, base: int | None = None) -> int:
     """Budget in bytes from an int or a string in one of the forms of the module docstring.
 
-    A relative budget (``"0.5x"``) needs the graph: it is ``floor(ratio * baseline_peak(graph))``.
+    A relative budget (``"0.5x"``) needs the graph: it is ``floor(ratio * baseline_peak(graph))``,
+    or ``floor(ratio * base)`` when `base` is given (an executor's own keep-everything peak).
     Raises `InvalidInputError` naming ``--budget`` for anything else, for a budget below one byte,
     and for a relative budget without a graph.
     """
@@ -84,10 +85,10 @@ def parse_budget(value: "str | int", graph: "Graph | None" = None) -> int:
         text = value
         number, unit = _split(value)
         if unit == "x":
-            if graph is None:
+            if graph is None and base is None:
                 raise InvalidInputError(f"--budget: the relative budget {value!r} needs a graph "
                                         "(it is a ratio of the graph's checkpoint-all peak)")
-            n = _floor(number * baseline_peak(graph))
+            n = _floor(number * (baseline_peak(graph) if base is None else base))
         elif unit in ("", "b") and number != number.to_integral_value():
             raise InvalidInputError(f"--budget: {value!r} is not a whole number of bytes; "
                                     "write 1.5KiB or 1.5x, not 1.5")

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from remat.core import native
 from remat.core.analysis import node_need
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError, RematError, SolverError
 from remat.core.graph import Graph
@@ -21,7 +22,7 @@ from remat.core.schedule import Schedule
 from remat.core.simulate import SimResult, simulate
 from remat.core.units import format_bytes, format_bytes_exact
 
-from .budget import baseline_peak, parse_budget
+from .budget import baseline_peak, is_relative, parse_budget
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,9 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
     search for that budget; for callers that probe many budgets), `InvalidInputError` for a bad
     budget or solver name.  ``executor="native"``: a plan in the native class
     (`remat.core.native`, what ``remat.apply(..., executor="native")`` runs in the model's own
-    code), `native_plan`.
+    code), `native_plan`; there a relative budget is a fraction of the peak natively with nothing
+    recomputed (the model's returned outputs held to the step's end, as the loop's ``out`` holds
+    them), so ``"1x"`` keeps everything.
     """
     if executor not in EXECUTORS:
         raise InvalidInputError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
@@ -50,7 +53,10 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
         graph = Graph.load(graph)
     graph = _with_bandwidth(graph, options)
     swap = default_swap(graph, solver) if swap is None else swap
-    budget_bytes = parse_budget(budget, graph)
+    # natively "1x" is plain autograd in the model's own loop, which holds the returned outputs
+    base = native.native_peak(graph, Schedule.keep_all(graph)) if executor == "native" and is_relative(budget) \
+        else None
+    budget_bytes = parse_budget(budget, graph, base)
     try:
         schedule, res, wall = _solve(graph, budget_bytes, solver, explain, swap=swap, time_limit=time_limit,
                                      gap=gap, **options)
@@ -88,7 +94,6 @@ def native_plan(graph: Graph, budget_bytes: int, solver: str, schedule: Schedule
     Returns (schedule, its simulation, wall seconds, {"native_peak_bytes": ...}).  Raises
     `InvalidInputError` for a graph the native class does not cover, `InfeasibleBudgetError`
     where no try fits."""
-    from remat.core import native
     why = native.obstacle(graph, schedule)
     if why is not None and why.startswith("it is a plan of granularity"):
         raise InvalidInputError(f"executor='native': {why}; trace with granularity='module'")

@@ -242,6 +242,19 @@ def _hf_gpt2(use_cache: bool):
     return model, {"input_ids": ids, "labels": ids}
 
 
+def test_a_native_one_x_keeps_everything_as_the_models_own_loop_runs_it():
+    # natively the loop's `out` holds the model's returned outputs to the step's end: "1x" is
+    # that step's peak with nothing recomputed, above the graph's own keep-all peak
+    model, x = _resnet()
+    graph = remat.trace(model, x, granularity="module", progress=False)
+    keep = Schedule.keep_all(graph)
+    plan = remat.plan(graph, "1.0x", swap=False, time_limit=10, executor="native")
+    assert plan.budget_bytes == native.native_peak(graph, keep) > simulate(graph, keep).peak_bytes
+    assert max(simulate(graph, plan.schedule).compute_counts) == 1
+    tighter = remat.plan(graph, "0.95x", swap=False, time_limit=10, executor="native")
+    assert tighter.budget_bytes == remat.parse_budget("0.95x", graph, plan.budget_bytes) != remat.parse_budget("0.95x", graph)
+
+
 def test_a_transformers_model_trains_natively_with_its_own_loss():
     # the loop of a transformers user: `model(**batch).loss.backward()`
     model, batch = _hf_gpt2(use_cache=False)
