@@ -259,6 +259,24 @@ def test_measure_profile_positive_and_repeatable():
     assert 1 / 3 < ratio < 3, ratio
 
 
+def test_cold_times_flush_the_last_level_cache_before_every_timed_run(monkeypatch):
+    from remat.frontends import profile
+    assert profile.cache_bytes(torch.device("cpu")) >= 8 << 20
+    monkeypatch.setattr(profile, "cache_bytes", lambda device: 1 << 20)
+    flushes, calls = [], []
+    real_zero = torch.Tensor.zero_
+
+    def zero_(t):
+        flushes.append(t.numel())
+        return real_zero(t)
+    monkeypatch.setattr(torch.Tensor, "zero_", zero_)
+    runs = [lambda k=k: calls.append(k) for k in range(3)]
+    out = profile.cold_times(runs, torch.device("cpu"), repeats=4)
+    # one median per run; each of its 4 timed runs right after a flush of the cache's bytes
+    assert len(out) == 3 and all(t >= 0 for t in out)
+    assert calls == [0] * 4 + [1] * 4 + [2] * 4 and flushes == [1 << 20] * 12
+
+
 def test_module_nodes_carry_a_cold_recompute_time_and_other_graphs_none(monkeypatch):
     from remat.frontends import modules, profile
     seen = []
