@@ -212,23 +212,46 @@ def engine_sums(graph: Graph) -> tuple[dict, dict]:
     return sums, buffered
 
 
+def engine_releases(graph: Graph) -> dict:
+    """{backward node: bytes}: how much lower the node's backward peaks natively, where autograd's
+    engine owns the incoming gradient and frees it once the module's first backward function has
+    read it; the module graph (and the interpreter, which holds it) counts it through the whole
+    node (``extra["engine_release_bytes"]``, measured by the module frontend).  Only where the
+    node alone reads the gradients it is handed (every backward or loss node before it has it as
+    its only reader): a gradient another node also reads (an add's backward hands one tensor to
+    both inputs) outlives the first reader's backward."""
+    out = {}
+    for v in graph.nodes:
+        if v.kind != "backward" or not v.extra.get("engine_release_bytes"):
+            continue
+        givers = [u for u in set(graph.preds[v.id]) if graph.nodes[u].kind != "forward"]
+        if givers and all(set(graph.succs[u]) == {v.id} for u in givers):
+            out[v.id] = int(v.extra["engine_release_bytes"])
+    return out
+
+
 def native_peak(graph: Graph, schedule: Schedule, held: dict | None = None) -> int:
     """The simulator's peak of `schedule` as it runs natively: with the model's returned outputs
     (``output_bytes`` of the nodes the loss reads) alive from their node's free to the step's
     end (the loop's ``out`` holds them), and, for each forward node v in `held` ({v: (j,
     bytes)}, what the executor observed), `bytes` of v's storages alive from v's free during the
     forward through the compute of forward node j (the step's end when j is past the forward:
-    something outside the model, its returned cache say, holds them); and the gradient sums
-    of shared parameters (`engine_sums`)."""
+    something outside the model, its returned cache say, holds them); the gradient sums
+    of shared parameters (`engine_sums`); and the incoming gradients the engine frees inside a
+    backward node (`engine_releases`)."""
     sim = simulate(graph, schedule, timeline=True)
     pinned = returned_nodes(graph)
     held = held or {}
     loss = next(v.id for v in graph.nodes if v.kind == "loss")
     sums, buffered = engine_sums(graph)
+    releases = engine_releases(graph)
     extra, peak, in_forward = 0, 0, True
     release: dict[int, int] = {}
     for o, row in zip(schedule.ops, sim.timeline):
-        peak = max(peak, row["device_bytes"] + extra + (sums.get(o.node, 0) if o.op == "compute" else 0))
+        during = row["device_bytes"] + extra
+        if o.op == "compute":
+            during += sums.get(o.node, 0) - releases.get(o.node, 0)
+        peak = max(peak, during)
         if o.op == "compute":
             if o.node == loss:
                 in_forward = False
@@ -242,7 +265,9 @@ def native_peak(graph: Graph, schedule: Schedule, held: dict | None = None) -> i
             extra += nbytes
             if through < loss:
                 release[through] = release.get(through, 0) + nbytes
-    return max(peak, sim.peak_bytes)
+    # the step's end (the optimizer's step, the gradients settled) where no op's row is as high
+    ops_peak = max((row["device_bytes"] for row in sim.timeline), default=0)
+    return max(peak, sim.peak_bytes if sim.peak_bytes > ops_peak else 0)
 
 
 def native_prediction(graph: Graph, schedule: Schedule, held: dict | None = None) -> dict:
@@ -256,4 +281,4 @@ def native_prediction(graph: Graph, schedule: Schedule, held: dict | None = None
 
 
 __all__ = ["recomputable", "events", "Events", "obstacle", "plain_nodes", "nativize", "returned_nodes",
-           "engine_sums", "native_peak", "native_prediction"]
+           "engine_sums", "engine_releases", "native_peak", "native_prediction"]

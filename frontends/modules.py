@@ -330,6 +330,8 @@ def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], l
     for v in reversed(range(m)):
         p = profs[v]
         extra = {"forward": v, "param_grad_bytes": p.param_grad_bytes}
+        if p.engine_release:  # (natively the engine frees the incoming gradient inside: `core.native`)
+            extra["engine_release_bytes"] = int(p.engine_release)
         if profile == "flops":
             extra["flops"] = p.bwd_flops
         persistent = 0

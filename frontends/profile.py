@@ -113,6 +113,7 @@ class StageProfile:
     mutated: list = field(default_factory=list)       # names of buffers/inputs written in place
     differentiable: bool = True
     recompute_time: float | None = None               # the forward's time with its inputs out of the caches
+    engine_release: int = 0   # how much lower the backward peaks when autograd's engine owns the incoming gradient
 
 
 RANDOM_TAG = torch.Tag.nondeterministic_seeded
@@ -433,10 +434,35 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
         prof.bwd_alloc_bytes = sum(d for k, d in tracker.events[mb:m2] if d > 0 and k not in artefacts)
         plain = [(o.detach(), o.requires_grad) if isinstance(o, torch.Tensor) else (o, False) for o in outs]
         del grads, outs, diff
+        if prof.differentiable and gouts is not None:
+            held = tracker.peak_between(mb, m2, exclude=artefacts) + unique_bytes(gouts)
+            prof.engine_release = max(0, held - _engine_owned_peak(runner, gouts, tracker, fresh_grads))
     prof.fwd_flops = counter_f.get_total_flops() if counter_f else 0
     prof.bwd_flops = counter_b.get_total_flops() if counter_b else 0
     del args, leaves, clones
     return prof, plain, gouts
+
+
+def _engine_owned_peak(runner: Runner, gouts: list, tracker: StorageTracker, fresh_grads: bool) -> int:
+    """The stage's backward peak (above the live bytes before it, the incoming gradient
+    included) when autograd's engine makes the incoming gradient, as in a model's own step: the
+    outputs times the gradients, summed, and the backward of that, whose product's backward hands
+    the stage a gradient nothing else holds, which the engine frees once the stage's first
+    function has read it (a profile that passes the gradient in holds it to the end)."""
+    args, leaves, _ = runner.make_inputs()
+    diff = _diff(runner.forward(args))
+    loss = sum((o * g).sum() for o, g in zip(diff, gouts))
+    if fresh_grads:
+        for p in runner.params:
+            p.grad = None
+    m = tracker.mark()
+    grads = _backward([loss], None, leaves, runner.params)
+    returned = {storage_key(g) for g in grads if g is not None}
+    artefacts = {tracker.uid(leaf.grad) for leaf in leaves
+                 if leaf.grad is not None and storage_key(leaf.grad) not in returned} - {None}
+    peak = tracker.peak_between(m, exclude=artefacts)
+    del args, leaves, diff, loss, grads
+    return peak
 
 
 class _null:

@@ -43,9 +43,9 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
     search for that budget; for callers that probe many budgets), `InvalidInputError` for a bad
     budget or solver name.  ``executor="native"``: a plan in the native class
     (`remat.core.native`, what ``remat.apply(..., executor="native")`` runs in the model's own
-    code), `native_plan`; there a relative budget is a fraction of the peak natively with nothing
-    recomputed (the model's returned outputs held to the step's end, as the loop's ``out`` holds
-    them), so ``"1x"`` keeps everything.
+    code), `native_plan`; there a relative budget is a fraction of the larger of the graph's
+    keep-all peak and that schedule's peak natively (the model's returned outputs held to the
+    step's end, as the loop's ``out`` holds them), so ``"1x"`` keeps everything.
     """
     if executor not in EXECUTORS:
         raise InvalidInputError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
@@ -53,9 +53,11 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
         graph = Graph.load(graph)
     graph = _with_bandwidth(graph, options)
     swap = default_swap(graph, solver) if swap is None else swap
-    # natively "1x" is plain autograd in the model's own loop, which holds the returned outputs
-    base = native.native_peak(graph, Schedule.keep_all(graph)) if executor == "native" and is_relative(budget) \
-        else None
+    # natively "1x" keeps everything: plain autograd in the model's own loop (which holds the
+    # returned outputs, and lets incoming gradients go inside a module's backward) or the graph's
+    # own keep-all peak, which the solvers plan against, whichever is larger
+    base = max(native.native_peak(graph, Schedule.keep_all(graph)), baseline_peak(graph)) \
+        if executor == "native" and is_relative(budget) else None
     budget_bytes = parse_budget(budget, graph, base)
     try:
         schedule, res, wall = _solve(graph, budget_bytes, solver, explain, swap=swap, time_limit=time_limit,

@@ -120,12 +120,11 @@ def test_capacity_api_verifies_with_one_measured_step():
     v = rep.verification
     assert v is not None and v.size == rep.result.best().size and v.plan is not None
     assert v.measured_bytes <= 12 * 2 ** 20 and v.fits
-    # run as remat.apply(executor="auto") runs it: natively, at or under what native execution
-    # predicts (here 6 % under: the predicted peak is at grad_bn1+relu, with its incoming gradient
-    # (1.2 MB) counted through the whole node, where autograd frees it after the relu's backward
-    # reads it; the interpreter holds it and measures the plan's prediction to the byte)
-    assert v.executor == "native" and v.predicted_bytes != v.plan.storage_peak_bytes
-    assert 0.9 * v.predicted_bytes <= v.measured_bytes <= v.predicted_bytes
+    # run as remat.apply(executor="auto") runs it: natively, against what native execution predicts
+    # (6 % under the plan's own prediction here: at grad_bn1+relu autograd frees the incoming
+    # gradient once the relu's backward has read it, `core.native.engine_releases`)
+    assert v.executor == "native" and v.predicted_bytes < v.plan.storage_peak_bytes
+    assert v.measured_bytes == pytest.approx(v.predicted_bytes, rel=0.02)
     plain, ckpt = rep.peers
     assert plain.name == "plain autograd" and ckpt.name == "checkpoint every block"
     for size, measured in plain.peaks.items():  # what the family predicts for plain autograd, measured
