@@ -245,9 +245,10 @@ def native_peak(graph: Graph, schedule: Schedule, held: dict | None = None) -> i
     loss = next(v.id for v in graph.nodes if v.kind == "loss")
     sums, buffered = engine_sums(graph)
     releases = engine_releases(graph)
-    extra, peak, in_forward = 0, 0, True
+    extra, peak, ops_peak, in_forward = 0, 0, 0, True
     release: dict[int, int] = {}
     for o, row in zip(schedule.ops, sim.timeline):
+        ops_peak = max(ops_peak, row["device_bytes"])
         during = row["device_bytes"] + extra
         if o.op == "compute":
             during += sums.get(o.node, 0) - releases.get(o.node, 0)
@@ -266,7 +267,6 @@ def native_peak(graph: Graph, schedule: Schedule, held: dict | None = None) -> i
             if through < loss:
                 release[through] = release.get(through, 0) + nbytes
     # the step's end (the optimizer's step, the gradients settled) where no op's row is as high
-    ops_peak = max((row["device_bytes"] for row in sim.timeline), default=0)
     return max(peak, sim.peak_bytes if sim.peak_bytes > ops_peak else 0)
 
 

@@ -173,8 +173,8 @@ def _profile_stages(cap: Captured, stages: list[Segment], args: tuple, loss_fn: 
         bar.update()
     if measure_time and cold:
         # each forward again with its inputs out of the caches, as a recomputation finds them
-        cold = cold_times([lambda r=r: r.forward(r.make_inputs()[0]) for r in runners], dev, repeats)
-        for prof, t in zip(profs, cold):
+        seconds = cold_times([lambda r=r: r.forward(r.make_inputs()[0]) for r in runners], dev, repeats)
+        for prof, t in zip(profs, seconds):
             prof.recompute_time = max(prof.fwd_time, t)
     return profs, loss_prof, rng_flags, mutated
 

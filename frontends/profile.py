@@ -27,7 +27,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx as fx
@@ -424,9 +424,7 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
         in_keys = {storage_key(g): storage_bytes(g) for g in grads if g is not None}
         prof.grad_bytes = sum(in_keys.values())
         new_grad_bytes = sum(b for k, b in in_keys.items() if k in tracker.live and k not in gout_keys)
-        # the leaves' own accumulated copies are an artefact of running the stage alone
-        artefacts = {tracker.uid(leaf.grad) for leaf in leaves
-                     if leaf.grad is not None and storage_key(leaf.grad) not in in_keys} - {None}
+        artefacts = _leaf_artefacts(tracker, leaves, in_keys)
         prof.param_grad_bytes = unique_bytes(p.grad for p in runner.params if p.grad is not None)
         prof.param_grads = {storage_key(p): storage_bytes(p.grad) for p in runner.params if p.grad is not None}
         prof.bwd_workspace = (max(0, tracker.peak_between(mb, m2, exclude=artefacts) - new_grad_bytes)
@@ -443,6 +441,14 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
     return prof, plain, gouts
 
 
+def _leaf_artefacts(tracker: StorageTracker, leaves: list, returned: Iterable) -> set:
+    """The uids of the leaves' own accumulated gradients (``leaf.grad``), an artefact of running a
+    stage alone, but those whose storage is a gradient the backward returned (`returned` keys)."""
+    returned = set(returned)
+    return {tracker.uid(leaf.grad) for leaf in leaves
+            if leaf.grad is not None and storage_key(leaf.grad) not in returned} - {None}
+
+
 def _engine_owned_peak(runner: Runner, gouts: list, tracker: StorageTracker, fresh_grads: bool) -> int:
     """The stage's backward peak (above the live bytes before it, the incoming gradient
     included) when autograd's engine makes the incoming gradient, as in a model's own step: the
@@ -457,10 +463,8 @@ def _engine_owned_peak(runner: Runner, gouts: list, tracker: StorageTracker, fre
             p.grad = None
     m = tracker.mark()
     grads = _backward([loss], None, leaves, runner.params)
-    returned = {storage_key(g) for g in grads if g is not None}
-    artefacts = {tracker.uid(leaf.grad) for leaf in leaves
-                 if leaf.grad is not None and storage_key(leaf.grad) not in returned} - {None}
-    peak = tracker.peak_between(m, exclude=artefacts)
+    returned = [storage_key(g) for g in grads if g is not None]
+    peak = tracker.peak_between(m, exclude=_leaf_artefacts(tracker, leaves, returned))
     del args, leaves, diff, loss, grads
     return peak
 

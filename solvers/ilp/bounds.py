@@ -4,8 +4,9 @@ Both hold for every schedule whose backward nodes run once (the ILP's default mo
 instants are those of `remat.core.analysis` (node t computed for the first time).
 
 Moment knapsack (`knapsack_bound`, recompute only).  At instant t every value v < t that a node
-after t reads is either resident or computed again later (cost C_v each, its recompute time; without swap there is
-no third way, and a backward value or the loss cannot be recomputed, so it must be resident).
+after t reads is either resident or computed again later (cost C_v each, its recompute time;
+without swap there is no third way, and a backward value or the loss cannot be recomputed, so it
+must be resident).
 Resident bytes at that instant are at most cap_t = B - fixed - forced_t (`forced_loads`: t's
 output, workspace, forward inputs P_t and the gradients alive across t), so the recomputation
 still to come costs at least

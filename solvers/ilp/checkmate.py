@@ -72,7 +72,8 @@ start at the stage start on their own stream: fetches first, waited for before t
 compute, then swap-outs and prefetches, waited for at the stage end.  So a stage lasts
 fetch + max(compute, swap-out + prefetch), and the objective equals `simulate(...).time`
 (tested): node i's compute in stage i is its first, priced at ``time``; R[t, i] for t > i is a
-recomputation, priced at ``recompute_time`` (`Graph.recompute_times`).  What the stage model cannot express: a transfer spread over several stages, and a
+recomputation, priced at ``recompute_time`` (`Graph.recompute_times`).  What the stage model
+cannot express: a transfer spread over several stages, and a
 swap-in consumed mid-stage while earlier computes of the stage overlap it (TFLMS's op lists can
 do both, so a bare op list can beat the ILP's "optimal" swap schedule by that overlap).
 
