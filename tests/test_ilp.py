@@ -192,6 +192,18 @@ def test_infeasible_budget_is_an_error_and_min_feasible_budget_is_tight():
             ilp.solve(g, found - 1, swap=False)
 
 
+def test_min_feasible_budget_is_never_above_its_heuristic_start():
+    # the answer cannot be worse than checkpoint-all or Chen's greedy segments, however little
+    # time CBC gets (a loaded machine's short limit once returned the keep-all peak)
+    from remat.solvers import chen
+    g = random_layered(12, seed=3)
+    starts = [simulate(g, ilp.prune_waste(g, f(g))).peak_bytes
+              for f in (checkpoint_all, chen.chen_greedy, chen.chen_greedy_ap)]
+    assert simulate(g, exact.smallest_peak_start(g)).peak_bytes == min(starts)
+    found, lb = ilp.min_feasible_budget(g, swap=False, time_limit=1)
+    assert lb <= found <= min(starts)
+
+
 def test_budget_below_fixed_bytes_names_them():
     g = linear_chain(4, fixed_bytes=100)
     with pytest.raises(InfeasibleBudgetError) as e:

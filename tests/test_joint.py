@@ -161,7 +161,7 @@ def planned(request):
     model.train()
     graph = remat.trace(model, inputs, granularity="joint", profile="flops")
     full = remat.plan(graph, "1.0x", solver="ilp", swap=False, time_limit=20)
-    tightest = min_feasible_budget(graph, swap=False, time_limit=20)[0]
+    tightest = min_feasible_budget(graph, swap=False, time_limit=5)[0]
     tight = remat.plan(graph, tightest, solver="ilp", swap=False, time_limit=20)
     # swaps nearly free at this bandwidth: the ILP swaps where it would otherwise recompute
     swapped = remat.plan(graph, tightest, solver="ilp", swap=True, time_limit=20, bandwidth=1e13)
