@@ -113,9 +113,13 @@ def obstacle(graph: Graph, schedule: Schedule) -> str | None:
 
 def plain_nodes(graph: Graph, schedule: Schedule) -> set[int]:
     """Forward nodes v that plain autograd can run as they are, their saved tensors without hooks:
-    the schedule computes v once, never swaps it, frees it (if at all) only after its backward
-    node b_v, and frees none of v's forward producers between v's compute and b_v (v's graph
-    would hold their outputs)."""
+    the schedule computes v once, never swaps it, frees it (if at all) after its backward node
+    b_v or once the model's forward has returned (then b_v does not read v, and the free follows
+    v's last reader, where autograd lets it go; inside the forward the model's code may still
+    hold v, which only a followed node's free observes), and frees none of v's forward
+    producers between v's compute and b_v (v's graph may hold their outputs: a storage one node
+    makes and the next passes on, a dropout of probability 0, is read by the second's backward
+    under the first's name)."""
     nodes = graph.nodes
     ops = schedule.ops
     first: dict[int, int] = {}
@@ -132,6 +136,8 @@ def plain_nodes(graph: Graph, schedule: Schedule) -> set[int]:
         elif o.op == "free":
             frees.setdefault(v, []).append(k)
     bwd = {v.extra.get("forward"): first.get(v.id) for v in nodes if v.kind == "backward"}
+    # (the model's forward has returned once the loss, or any backward node, is computed)
+    backward_from = min((first[v.id] for v in nodes if v.kind != "forward" and v.id in first), default=len(ops))
     preds: dict[int, list[int]] = {}
     for u, w in graph.edges:
         if nodes[u].kind == "forward":
@@ -142,7 +148,7 @@ def plain_nodes(graph: Graph, schedule: Schedule) -> set[int]:
             out.discard(v)
             continue
         end = len(ops) if end is None else end
-        if any(start < k < end for k in frees.get(v, [])) or \
+        if any(start < k < min(end, backward_from) for k in frees.get(v, [])) or \
                 any(start < k < end for u in preds.get(v, []) for k in frees.get(u, [])):
             out.discard(v)
     return out

@@ -276,6 +276,44 @@ def test_a_native_one_x_keeps_everything_as_the_models_own_loop_runs_it():
     assert tighter.budget_bytes == remat.parse_budget("0.95x", graph, plan.budget_bytes)
 
 
+def test_frees_after_the_forward_returned_leave_a_node_plain_and_frees_in_it_do_not():
+    # a plain node runs without saved-tensor hooks: its plan's frees must be autograd's own.
+    # After the forward has returned, a free of v before b_v (b_v does not read v: conv1's
+    # output, read by bn1's backward only) is where autograd lets v go; during the forward the
+    # model's code may still hold v, which only a followed node's free observes
+    model, x = _resnet()
+    graph = remat.trace(model, x, granularity="module", progress=False)
+    plan = remat.plan(graph, "1.0x", swap=False, time_limit=10, executor="native")
+    ops = plan.schedule.ops
+    first_bwd = min(k for k, o in enumerate(ops) if o.op == "compute" and graph.nodes[o.node].kind != "forward")
+    early = {o.node for o in ops[first_bwd:] if o.op == "free" and graph.nodes[o.node].kind == "forward"}
+    b_of = {v.extra.get("forward"): v.id for v in graph.nodes if v.kind == "backward"}
+    before_own_backward = [v for v in early
+                           if min(k for k, o in enumerate(ops) if o.op == "free" and o.node == v)
+                           < min(k for k, o in enumerate(ops) if o.op == "compute" and o.node == b_of.get(v, -1))]
+    assert before_own_backward                      # (the case in point exists in this plan)
+    assert native.plain_nodes(graph, plan.schedule) == {v.id for v in graph.nodes if v.kind == "forward"}
+    ex = NativeExecution(copy.deepcopy(model), plan)
+    assert ex.tracked == set()                      # nothing to follow: the model runs as plain autograd
+    # a node freed inside the forward (the zoo GPT's embeddings, once their sum is made) is followed
+    model, x = _gpt()
+    graph = remat.trace(model, x, granularity="module", progress=False)
+    ops = remat.plan(graph, "1.0x", swap=False, time_limit=10, executor="native").schedule.ops
+    first_bwd = min(k for k, o in enumerate(ops) if o.op == "compute" and graph.nodes[o.node].kind != "forward")
+    in_forward = {o.node for o in ops[:first_bwd] if o.op == "free"}
+    plain = native.plain_nodes(graph, Schedule(ops, None))
+    assert in_forward and not in_forward & plain
+    # and so is a node whose producer goes before its backward, even where the graph says that
+    # backward reads nothing of it (the storage may reach it under another node's name)
+    at = {(o.op, o.node): k for k, o in reversed(list(enumerate(ops)))}
+    b_of = {v.extra.get("forward"): v.id for v in graph.nodes if v.kind == "backward"}
+    bwd_reads = {(u, w) for u, w in graph.edges}
+    cases = [v for u, v in graph.edges if graph.nodes[u].kind == graph.nodes[v].kind == "forward"
+             and at[("compute", v)] < at.get(("free", u), -1) < at[("compute", b_of[v])]
+             and (u, b_of[v]) not in bwd_reads]
+    assert cases and not set(cases) & plain
+
+
 def test_a_transformers_model_trains_natively_with_its_own_loss():
     # the loop of a transformers user: `model(**batch).loss.backward()`
     model, batch = _hf_gpt2(use_cache=False)
