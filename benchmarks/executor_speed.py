@@ -40,7 +40,7 @@ from peers import CASES  # noqa: E402  (the same models as the peers' comparison
 import remat  # noqa: E402
 from remat.core.analysis import forced_need  # noqa: E402
 from remat.core.errors import InfeasibleBudgetError  # noqa: E402
-from remat.frontends.base import step_loss  # noqa: E402
+from remat.frontends.base import model_inputs  # noqa: E402
 from remat.frontends.native import NativeExecution  # noqa: E402
 from remat.frontends.run import random_batch  # noqa: E402
 
@@ -117,7 +117,11 @@ def main(argv=None) -> int:
             for p in m.parameters():
                 p.grad = None
             if ex is None or isinstance(ex, NativeExecution):
-                loss = step_loss(m, loss_fn, batch)     # the user's own loop
+                # the user's own loop, holding `out` through the backward as the native
+                # prediction assumes (a loop that drops it once the loss is made peaks lower
+                # by what autograd then frees: a language model's logits)
+                out = m(*model_inputs(m, batch))
+                loss = loss_fn(out, *batch)
             else:
                 loss = ex(*batch)
             loss.backward()
