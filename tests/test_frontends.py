@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 
 import pytest
@@ -300,6 +301,61 @@ def test_module_nodes_carry_a_cold_recompute_time_and_other_graphs_none(monkeypa
                   trace(model, x, granularity="op-stages")):
         assert not other.has_recompute_times
     assert len(seen) == 1
+
+
+def test_calibrate_times_scales_each_direction_to_the_measured_step_within_its_range():
+    from remat.core.graph import Node
+    from remat.frontends.modules import SCALE_RANGE, calibrate_times
+    nodes = [Node(0, "a", "forward", 1.0, 8, recompute_time=2.0), Node(1, "b", "forward", 3.0, 8),
+             Node(2, "loss", "loss", 1.5, 4, extra={"forward_time": 0.5, "backward_time": 1.0}),
+             Node(3, "grad_b", "backward", 2.0, 8, extra={"forward": 1}),
+             Node(4, "grad_a", "backward", 4.0, 8, extra={"forward": 0})]
+    out, f, b = calibrate_times(nodes, forward=9.0, backward=3.5)   # profiled 4.5 and 7.0
+    assert (f, b) == (2.0, 0.5)
+    assert [v.time for v in out] == [2.0, 6.0, 1.0 + 0.5, 1.0, 2.0]
+    assert out[0].recompute_time == 4.0 and out[1].recompute_time is None
+    assert out[2].extra["forward_time"] == 1.0 and out[2].extra["backward_time"] == 0.5
+    assert sum(v.time for v in out if v.kind == "forward") + out[2].extra["forward_time"] == 9.0
+    # a factor out of range is clamped (a measurement gone wrong), the inputs are left as they were
+    _, f, b = calibrate_times(nodes, forward=1000.0, backward=0.001)
+    assert (f, b) == (SCALE_RANGE[1], SCALE_RANGE[0]) and nodes[0].time == 1.0
+
+
+def test_plain_step_seconds_leaves_buffers_rng_and_gradients_as_they_were():
+    from remat.frontends.modules import plain_step_seconds
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2)).train()
+    x = torch.randn(16, 8)
+    model[0].weight.grad = torch.full_like(model[0].weight, 3.0)
+    stats, rng = model[1].running_mean.clone(), torch.get_rng_state()
+    fwd, bwd = plain_step_seconds(model, (x,), {}, lambda out, x: out.square().mean(), None,
+                                  torch.device("cpu"), warmup=1, repeats=3)
+    assert fwd > 0 and bwd > 0
+    assert torch.equal(model[1].running_mean, stats) and torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(model[0].weight.grad, torch.full_like(model[0].weight, 3.0)) and model[3].weight.grad is None
+
+
+def test_a_measured_module_graph_sums_to_the_plain_step_it_timed(monkeypatch):
+    from remat.frontends import modules
+    timed = []
+
+    def spy(*a, **k):
+        timed.append(modules_plain(*a, **k))
+        return timed[-1]
+    modules_plain = modules.plain_step_seconds
+    monkeypatch.setattr(modules, "plain_step_seconds", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(512, 4))
+    g = trace(model, torch.randn(4, 3, 8, 8), granularity="module")
+    (fwd, bwd), = timed
+    assert g.meta["plain_step_seconds"] == {"forward": fwd, "backward": bwd}
+    loss = next(v for v in g.nodes if v.kind == "loss")
+    lo, hi = modules.SCALE_RANGE
+    for kind, part, measured in (("forward", "forward_time", fwd), ("backward", "backward_time", bwd)):
+        total = sum(v.time for v in g.nodes if v.kind == kind) + loss.extra[part]
+        assert math.isclose(total, measured, rel_tol=1e-9) or g.meta["time_scale"][kind] in (lo, hi)
+    assert all(v.recompute_time >= v.time for v in g.nodes if v.kind == "forward")
+    assert "time_scale" not in trace(model, torch.randn(4, 3, 8, 8), granularity="module", profile="flops").meta
 
 
 def test_op_stages_one_node_per_op():
