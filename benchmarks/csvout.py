@@ -36,16 +36,28 @@ def steady_malloc() -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
 
 
+def turn_order(names: list, k: int) -> list:
+    """The variants' order in round `k`: rotated by one place a round, so that no variant always
+    follows the same one: torchvision's ResNet-50 at full size, its plain step always first in its
+    round (right after the lowest-peak plan), measured 1.17x the native 1.0x step, which is plain
+    autograd with idle hooks; with the order rotating, 1.01x (`executor_speed.py --cases
+    tv-resnet50`, 2026-12-05)."""
+    k %= max(1, len(names))
+    return list(names[k:]) + list(names[:k])
+
+
 def time_in_turns(steps: "dict[str, Callable[[], None]]", rounds: int, sync: Callable[[], None] = lambda: None,
                   progress: bool = False) -> "dict[str, float]":
     """Median seconds of each variant's step, the variants taking turns step by step: round 0 warms
     every variant up, rounds 1..`rounds` are timed.  On a shared machine whose speed drifts by tens
     of percent over minutes, a variant timed in a block of its own minutes apart from another is
-    not comparable with it; taking turns puts the same drift into every variant's median.  `sync`
+    not comparable with it; taking turns puts the same drift into every variant's median, and the
+order rotates a place each round (`turn_order`).  `sync`
     runs before and after each step (``torch.cuda.synchronize`` on a GPU)."""
     times: dict = {name: [] for name in steps}
     for k in range(rounds + 1):
-        for name, step in steps.items():
+        for name in turn_order(list(steps), k):
+            step = steps[name]
             sync()
             t0 = time.perf_counter()
             step()

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from csvout import steady_malloc, write_csv  # noqa: E402
+from csvout import steady_malloc, turn_order, write_csv  # noqa: E402
 from peers import CASES  # noqa: E402  (the same models as the peers' comparison)
 
 import remat  # noqa: E402
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         times = {name: [] for name in variants}
         for k in range(args.steps + 1):   # (round 0: warm-up)
             batch = random_batch(example, gen, device)
-            for name in variants:
+            for name in turn_order(list(variants), k):
                 torch.manual_seed(100 + k)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
