@@ -446,7 +446,8 @@ class NativeExecution:
     `kept`); `predicted`: the simulator's figures for it (`native.native_peak`), updated after a
     step in which something held a freed storage past the plan's free; `held`: {forward node:
     (the forward node through which its storages were held, their bytes)} (empty when every free
-    took effect at once)."""
+    took effect at once); `idle`: the plan asks nothing of the model (every node plain, no op to
+    run), which then runs as plain autograd with no hooks on its modules."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, loss_fn: Any = None):
         graph = plan.graph
@@ -505,7 +506,13 @@ class NativeExecution:
         self._modules_called = [model.get_submodule(p) for p, *_ in self.expected]
         self._static = list(model.parameters()) + list(model.buffers())
         self._saved_static = self._static_seen(model)
-        for path in dict.fromkeys(p for p, *_ in self.expected):
+        ev = self.slots
+        # a plan that asks nothing of the model (every node plain, no op of its own to run: the
+        # 1.0x plan of a model whose forward frees nothing early) runs as plain autograd, with no
+        # hooks on its modules: there is nothing to follow, and no path to check
+        self.idle = not self.tracked and not self.recomputed and not (
+            ev.start or ev.tail or any(ev.after_forward.values()) or any(ev.before_backward.values()))
+        for path in dict.fromkeys(p for p, *_ in self.expected) if not self.idle else ():
             mod = model.get_submodule(path)
             self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(mod.register_forward_hook(self._post))
@@ -577,7 +584,7 @@ class NativeExecution:
 
     # ---- forward events ----------------------------------------------------------------------
     def _root_pre(self, model, args, kwargs):
-        if self.paused or not (torch.is_grad_enabled() and model.training):
+        if self.paused or self.idle or not (torch.is_grad_enabled() and model.training):
             self.step = None
             return None
         flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]

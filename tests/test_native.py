@@ -293,8 +293,14 @@ def test_frees_after_the_forward_returned_leave_a_node_plain_and_frees_in_it_do_
                            < min(k for k, o in enumerate(ops) if o.op == "compute" and o.node == b_of.get(v, -1))]
     assert before_own_backward                      # (the case in point exists in this plan)
     assert native.plain_nodes(graph, plan.schedule) == {v.id for v in graph.nodes if v.kind == "forward"}
-    ex = NativeExecution(copy.deepcopy(model), plan)
-    assert ex.tracked == set()                      # nothing to follow: the model runs as plain autograd
+    mine = copy.deepcopy(model)
+    ex = NativeExecution(mine, plan)
+    assert ex.tracked == set() and ex.idle          # nothing to follow: the model runs as plain autograd,
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in mine.modules() if m is not mine)  # unhooked
+    ref = copy.deepcopy(model)
+    assert torch.equal(_loop_step(mine, x), _loop_step(ref, x))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(mine.parameters(), ref.parameters()))
+    assert not NativeExecution(copy.deepcopy(model), _native_plan(graph, 0.3)).idle
     # a node freed inside the forward (the zoo GPT's embeddings, once their sum is made) is followed
     model, x = _gpt()
     graph = remat.trace(model, x, granularity="module", progress=False)
