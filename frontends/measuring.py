@@ -166,41 +166,32 @@ class StorageTracker(TorchDispatchMode):
 
 
 class AllocatorWindow:
-    """The allocator over a block: ``peak`` is the most allocated bytes, relative to the start.
-    Beside a `StorageTracker` it shows what kernels allocate internally, which no tensor-level
-    accounting sees (cuDNN's convolution workspaces, attention kernels' scratch buffers; on a CPU
-    a convolution's reordered weights, a dropout's float copy of its mask): `hidden`.  On CUDA
-    the caching allocator's counters (counted when allocations are made, on the host: no
-    synchronisation); on a CPU, with `cpu_events`, one profiler session (`AllocationLog`, a few
-    milliseconds; none while another profiler runs), else nothing (``peak`` 0)."""
+    """The CUDA caching allocator over a block: ``peak`` is the most allocated bytes, relative
+    to the start (0 off CUDA).  Beside a `StorageTracker` it
+    shows what kernels allocate internally, which no tensor-level accounting sees (cuDNN's
+    convolution workspaces, attention kernels' scratch buffers): `hidden`.  Allocations are
+    counted when they are made, on the host, so no synchronisation is needed."""
 
-    def __init__(self, device: torch.device, cpu_events: bool = False):
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
         self.peak = self.start = 0
-        self._log = (AllocationLog() if not self.cuda and cpu_events and not torch._C._autograd._profiler_enabled()
-                     else None)
 
     def __enter__(self) -> "AllocatorWindow":
         if self.cuda:
             self.start = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif self._log is not None:
-            self._log.__enter__()
         return self
 
     def __exit__(self, *exc) -> bool:
         if self.cuda:
             self.peak = torch.cuda.max_memory_allocated(self.device) - self.start
-        elif self._log is not None:
-            self._log.__exit__(*exc)
-            self.peak = int(self._log.peaks().get(None, 0)) if exc[0] is None else 0
         return False
 
     def hidden(self, visible_peak: int) -> int:
         """Bytes above `visible_peak` (the tracker's peak over the same block) at the
         allocator's peak: kernels' internal allocations."""
-        return max(0, self.peak - visible_peak)
+        return max(0, self.peak - visible_peak) if self.cuda else 0
 
 
 class LibraryWorkspaces:

@@ -429,8 +429,7 @@ def _real_peaks(model, inputs):
 @pytest.mark.parametrize("name", zoo.names())
 def test_zoo_predicted_peak_within_10_percent_of_a_real_step(name):
     model, inputs, g = _zoo_graph(name)
-    # (the storage accounting's view: kernels' own scratch, which the allocator sees, left out)
-    predicted = remat.simulate(storage_view(g), solver("checkpoint-all")(g)).peak_bytes
+    predicted = remat.simulate(g, solver("checkpoint-all")(g)).peak_bytes
     kept, freed = _real_peaks(model, inputs)
     # gradients allocated at their first accumulation, as the real step with set_to_none does;
     # a block's backward counted with all its gradients and saved tensors at once: at or above
@@ -441,7 +440,7 @@ def test_zoo_predicted_peak_within_10_percent_of_a_real_step(name):
 def test_resident_gradients_predict_the_step_that_keeps_them(name):
     model, inputs = zoo.get(name)
     g = _trace(model, inputs, name=name, grads="resident")
-    predicted = remat.simulate(storage_view(g), solver("checkpoint-all")(g)).peak_bytes
+    predicted = remat.simulate(g, solver("checkpoint-all")(g)).peak_bytes
     kept, _ = _real_peaks(model, inputs)
     assert g.persistent_total == 0 and g.meta["grads"] == "resident"
     assert abs(predicted - kept) <= 0.02 * kept, (predicted, kept)
