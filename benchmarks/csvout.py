@@ -52,8 +52,8 @@ def time_in_turns(steps: "dict[str, Callable[[], None]]", rounds: int, sync: Cal
     every variant up, rounds 1..`rounds` are timed.  On a shared machine whose speed drifts by tens
     of percent over minutes, a variant timed in a block of its own minutes apart from another is
     not comparable with it; taking turns puts the same drift into every variant's median, and the
-order rotates a place each round (`turn_order`).  `sync`
-    runs before and after each step (``torch.cuda.synchronize`` on a GPU)."""
+    order rotates a place each round (`turn_order`).  `sync` runs before and after each step
+    (``torch.cuda.synchronize`` on a GPU)."""
     times: dict = {name: [] for name in steps}
     for k in range(rounds + 1):
         for name in turn_order(list(steps), k):

@@ -100,10 +100,10 @@ def main(argv=None) -> int:
         # (module graphs: the native class's 1.0x, whose budget also holds what native execution
         # keeps beyond the graph's keep-all, the model's returned outputs say; the same plan runs
         # in both executors)
-        plans = {"1.0x": remat.plan(graph, "1.0x", swap=False, time_limit=args.time_limit,
-                                    executor="any" if joint else "native")}
+        plan_class = "any" if joint else "native"
+        plans = {"1.0x": remat.plan(graph, "1.0x", swap=False, time_limit=args.time_limit, executor=plan_class)}
         for f in (0.5, 0.3):
-            p = fraction_plan(graph, f, args.time_limit, "any" if joint else "native")
+            p = fraction_plan(graph, f, args.time_limit, plan_class)
             if p is not None:
                 plans[f"{f}x"] = p
         variants = {"plain": (copy.deepcopy(model), None, None)}

@@ -110,7 +110,7 @@ class ModuleFrontend(Frontend):
             except torch.OutOfMemoryError:   # (the plain step need not fit: the profile ran stage by stage)
                 if ctx.device.type == "cuda":
                     torch.cuda.empty_cache()
-                ctx.notes.append("backward times not calibrated: the plain step does not fit the device")
+                ctx.notes.append("times not calibrated to the plain step: it does not fit the device")
                 log.info("%s: %s", ctx.name, ctx.notes[-1])
 
     def assemble(self, ctx: TraceContext) -> tuple[list[Node], list[tuple[int, int]], dict]:

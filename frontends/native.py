@@ -510,7 +510,8 @@ class NativeExecution:
         # a plan that asks nothing of the model (every node plain, no op of its own to run: the
         # 1.0x plan of a model whose forward frees nothing early) runs as plain autograd, with no
         # hooks on its modules: there is nothing to follow, and no path to check
-        self.idle = not self.tracked and not self.recomputed and not (
+        # (a recomputation is an op of the plan's, so a recomputing plan is never idle)
+        self.idle = not self.tracked and not (
             ev.start or ev.tail or any(ev.after_forward.values()) or any(ev.before_backward.values()))
         for path in dict.fromkeys(p for p, *_ in self.expected) if not self.idle else ():
             mod = model.get_submodule(path)
