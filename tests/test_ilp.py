@@ -204,6 +204,16 @@ def test_min_feasible_budget_is_never_above_its_heuristic_start():
     assert lb <= found <= min(starts)
 
 
+def test_min_feasible_budget_keeps_its_start_when_cbc_stops_at_a_worse_incumbent(monkeypatch):
+    # CBC may reject the start and return an incumbent of its own, keep-all at worst
+    g = random_layered(12, seed=3)
+    monkeypatch.setattr(exact.mip, "run", lambda *a, **k: {"sol_status": 2, "bound": 0.0})
+    monkeypatch.setattr(exact, "schedule_from_model", lambda graph, m: checkpoint_all(graph))
+    found, _ = ilp.min_feasible_budget(g, swap=False, time_limit=1)
+    keep_all = simulate(g, checkpoint_all(g)).peak_bytes
+    assert found == simulate(g, exact.smallest_peak_start(g)).peak_bytes < keep_all
+
+
 def test_budget_below_fixed_bytes_names_them():
     g = linear_chain(4, fixed_bytes=100)
     with pytest.raises(InfeasibleBudgetError) as e:

@@ -414,10 +414,16 @@ def min_feasible_budget(graph: Graph, swap: bool = True, time_limit: float | Non
     start = smallest_peak_start(graph, bandwidth)
     set_warm_start(m, start)
     out = mip.run(m, "cbc", time_limit, 0.0, None, True, False)
-    sched = schedule_from_model(graph, m) if out["sol_status"] in (1, 2) else start
-    res = simulate(graph, sched, bandwidth)
+    # the lower simulated peak of CBC's answer and the start: CBC may reject the start (rounding in
+    # the quantised model) and stop at a worse incumbent of its own when the limit is short
+    res = simulate(graph, start, bandwidth)
     if not res.valid:
-        raise SolverError(f"the smallest-peak schedule does not replay: {res.violation}")
+        raise SolverError(f"the smallest-peak start does not replay: {res.violation}")
+    if out["sol_status"] in (1, 2):
+        found = simulate(graph, schedule_from_model(graph, m), bandwidth)
+        if not found.valid:
+            raise SolverError(f"the smallest-peak schedule does not replay: {found.violation}")
+        res = min(res, found, key=lambda r: r.peak_bytes)
     lb_units = int(math.ceil((out["bound"] if out["bound"] is not None else 0.0) - 1e-6))
     if m.meta["quantised"]:  # each of at most n outputs, one workspace and the persistent sizes was rounded up by < q
         lb_units -= graph.n + 1 + sum(1 for v in graph.nodes if v.persistent_bytes)
