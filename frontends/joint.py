@@ -82,6 +82,7 @@ from remat.core.graph import Graph, Node
 
 from .base import Frontend, TraceContext, prepare, step_loss, trace_with
 from .capture import CaptureError, quiet_torch_logs, traced_like_export
+from .kernels import kernel
 from .measuring import AllocationLog, AllocatorWindow, StorageTracker, on_autograd_thread, storage_bytes, storage_key, unique_bytes
 from .profile import FlopsModel, Timer, is_random
 
@@ -317,7 +318,7 @@ class JointProgram:
         """Add the static views to `const` (placeholder values)."""
         get = const.__getitem__
         for n in self.static:
-            const[n] = n.target(*fx.node.map_arg(n.args, get), **fx.node.map_arg(n.kwargs, get))
+            const[n] = kernel(n.target)(*fx.node.map_arg(n.args, get), **fx.node.map_arg(n.kwargs, get))
 
     def run(self, g: int, lookup: Callable[[fx.Node], Any], start: dict | None = None,
             members: list | None = None) -> dict:
@@ -334,7 +335,7 @@ class JointProgram:
         for n in (self.op_members[g] if members is None else members):
             if n in local:
                 continue
-            local[n] = n.target(*fx.node.map_arg(n.args, get), **fx.node.map_arg(n.kwargs, get))
+            local[n] = kernel(n.target)(*fx.node.map_arg(n.args, get), **fx.node.map_arg(n.kwargs, get))
             for d in rel.get(n, ()):
                 local.pop(d, None)
         return local
@@ -471,7 +472,7 @@ def discover_groups(cap: JointCapture, const: dict) -> tuple[list, list, list]:
                 continue
             before = tracker.next_uid
             get = env.__getitem__
-            out = n.target(*fx.node.map_arg(n.args, get), **fx.node.map_arg(n.kwargs, get))
+            out = kernel(n.target)(*fx.node.map_arg(n.args, get), **fx.node.map_arg(n.kwargs, get))
             env[n] = out
             new = range(before, tracker.next_uid)
             ins = {group_of[i] for i in n.all_input_nodes} - {STATIC}

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from .joint import STATIC
+from .kernels import kernel
 
 
 class Unsupported(Exception):
@@ -148,7 +149,7 @@ class _Writer:
         own = (mine, local)
         for n in prog.op_members[g]:
             args = [self.arg(a, own) for a in n.args] + [f"{k}={self.arg(v, own)}" for k, v in n.kwargs.items()]
-            emit(f"{self.var(n)} = {self.code.ref(n.target, 'T')}({', '.join(args)})", depth)
+            emit(f"{self.var(n)} = {self.code.ref(kernel(n.target), 'T')}({', '.join(args)})", depth)
             local.add(n)
             gone = [d for d in rel.get(n, ()) if d in local]
             if gone:
