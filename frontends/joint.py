@@ -690,9 +690,10 @@ def profile_program(prog: JointProgram, const: dict, flops: bool, measure_time: 
             p.bytes = kept - sum(unique_bytes(stash[q].values()) for q in prog.parts[g])
             # on CUDA also what kernels allocate internally (cuDNN's workspaces, say)
             visible = tracker.peak_between(m0)
-            p.scratch = alloc.hidden(visible)
+            p.scratch = alloc.hidden(tracker, m0)
             p.workspace = max(0, visible - p.bytes) + p.scratch  # (with its later parts' bytes)
-            visible_of[g] = visible
+            # (the log counts a free only for a block allocated in its window: the same peak)
+            visible_of[g] = tracker.peak_between(m0, own_frees_only=True)
             p.alloc_bytes = sum(d for _, d in tracker.events[m0:] if d > 0)
             p.flops = counter.get_total_flops() if counter is not None else 0
             del local

@@ -140,14 +140,23 @@ class StorageTracker(TorchDispatchMode):
             self.events.append((uid, nb))
         weakref.finalize(st, self._release, key, uid)
 
-    def peak_between(self, start: int, end: int | None = None, exclude: Iterable[int] = ()) -> int:
+    def peak_between(self, start: int, end: int | None = None, exclude: Iterable[int] = (),
+                     own_frees_only: bool = False) -> int:
         """Peak, relative to the live bytes at event `start`, of the events in [start, end),
-        leaving out the storages whose uids are in `exclude`."""
+        leaving out the storages whose uids are in `exclude`.  `own_frees_only`: a free counts
+        only for a storage allocated within the events, as the CPU allocator's log counts them
+        (`AllocationLog`): the peak of what the block itself allocated."""
         ex = set(exclude)
+        made: set = set()
         cur = peak = 0
         for uid, delta in self.events[start:end]:
             if uid in ex:
                 continue
+            if own_frees_only:
+                if delta > 0:
+                    made.add(uid)
+                elif uid not in made:
+                    continue
             cur += delta
             peak = max(peak, cur)
         return peak
@@ -166,32 +175,48 @@ class StorageTracker(TorchDispatchMode):
 
 
 class AllocatorWindow:
-    """The CUDA caching allocator over a block: ``peak`` is the most allocated bytes, relative
-    to the start (0 off CUDA).  Beside a `StorageTracker` it
-    shows what kernels allocate internally, which no tensor-level accounting sees (cuDNN's
-    convolution workspaces, attention kernels' scratch buffers): `hidden`.  Allocations are
-    counted when they are made, on the host, so no synchronisation is needed."""
+    """The allocator over a block: ``peak`` is the most allocated bytes, relative to the start.
+    Beside a `StorageTracker` it shows what kernels allocate internally, which no tensor-level
+    accounting sees (cuDNN's convolution workspaces, attention kernels' scratch buffers; on a CPU
+    a convolution's reordered weights, a dropout's float copy of its mask): `hidden`.  On CUDA
+    the caching allocator's counters (counted when allocations are made, on the host: no
+    synchronisation); on a CPU, with `cpu_events`, one profiler session (`AllocationLog`, a few
+    milliseconds; none while another profiler runs), else nothing (``peak`` 0)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cpu_events: bool = False):
         self.cuda = device.type == "cuda"
         self.device = device
         self.peak = self.start = 0
+        self._log = (AllocationLog() if not self.cuda and cpu_events and not torch._C._autograd._profiler_enabled()
+                     else None)
 
     def __enter__(self) -> "AllocatorWindow":
         if self.cuda:
             self.start = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._log is not None:
+            self._log.__enter__()
         return self
 
     def __exit__(self, *exc) -> bool:
         if self.cuda:
             self.peak = torch.cuda.max_memory_allocated(self.device) - self.start
+        elif self._log is not None:
+            self._log.__exit__(*exc)
+            self.peak = int(self._log.peaks().get(None, 0)) if exc[0] is None else 0
         return False
 
-    def hidden(self, visible_peak: int) -> int:
-        """Bytes above `visible_peak` (the tracker's peak over the same block) at the
-        allocator's peak: kernels' internal allocations."""
-        return max(0, self.peak - visible_peak) if self.cuda else 0
+    @property
+    def own_frees_only(self) -> bool:
+        """How the tracker's peak must be taken to compare with ``peak``: CUDA's counters see
+        every free in the block, the CPU's log only frees of blocks allocated inside it (a
+        backward letting go of the forward's saved tensors lowers the one, not the other)."""
+        return not self.cuda
+
+    def hidden(self, tracker: "StorageTracker", start: int, end: int | None = None) -> int:
+        """Bytes the allocator held above the tracker's peak over the same events [start, end),
+        taken as the allocator counts (`own_frees_only`): kernels' internal allocations."""
+        return max(0, self.peak - tracker.peak_between(start, end, own_frees_only=self.own_frees_only))
 
 
 class LibraryWorkspaces:

@@ -11,7 +11,10 @@ What a node costs (docs/design.md, "The memory model"):
 * forward node: ``bytes`` = what keeping it for backward costs = its outputs plus what autograd
   saves inside it (unique storages; parameters and the node's inputs left out: an input is its
   producer's output, counted there); ``workspace_bytes`` = transient peak above that while it
-  runs; ``time`` = forward time.  Extras: ``output_bytes``, ``saved_bytes``, ``module``...
+  runs, what its kernels allocate inside themselves included (the allocator's figure above the
+  storages': CUDA's counters, on a CPU the profiler's allocation events; ``extra["scratch_bytes"]``,
+  which `simulate.storage_view` leaves out for the storage accounting); ``time`` = forward
+  time.  Extras: ``output_bytes``, ``saved_bytes``, ``module``...
 * loss node: the loss function's forward *and* backward: ``bytes`` = the gradient w.r.t. the
   model's outputs (what lives on until the last forward node's backward), ``workspace_bytes``
   = the rest of its peak (saved tensors of the loss, the loss value).
@@ -412,6 +415,8 @@ def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], l
             extra["mutates"] = mutated[j]
         if profile == "flops":
             extra["flops"] = p.fwd_flops
+        if p.fwd_scratch:   # (kernels' own allocations, part of the workspace: `simulate.storage_view`)
+            extra["scratch_bytes"] = int(p.fwd_scratch)
         recompute = None if profile == "flops" or p.recompute_time is None else float(p.recompute_time)
         nodes.append(Node(j, s.name, "forward", float(t_fwd(p)),
                           int(max(p.output_bytes + p.saved_bytes, p.retained_bytes)),
@@ -423,6 +428,8 @@ def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], l
                   "forward_time": t_fwd(lp), "backward_time": t_bwd(lp)}
     if profile == "flops":
         loss_extra["flops"] = lp.fwd_flops + lp.bwd_flops
+    if lp.fwd_scratch or lp.bwd_scratch:
+        loss_extra["scratch_bytes"] = int(max(lp.fwd_scratch, lp.bwd_scratch))
     nodes.append(Node(loss, "loss", "loss", float(t_fwd(lp) + t_bwd(lp)), int(lp.grad_bytes), int(max(0, loss_ws)),
                       loss_extra))
     accumulated: set = set()  # parameters whose gradient an earlier backward node allocated
@@ -433,6 +440,8 @@ def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], l
             extra["engine_release_bytes"] = int(p.engine_release)
         if profile == "flops":
             extra["flops"] = p.bwd_flops
+        if p.bwd_scratch and p.differentiable:
+            extra["scratch_bytes"] = int(p.bwd_scratch)
         persistent = 0
         ws = int(p.bwd_workspace) if p.differentiable else 0
         if grads == "accumulated" and p.differentiable:

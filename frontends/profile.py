@@ -113,6 +113,8 @@ class StageProfile:
     mutated: list = field(default_factory=list)       # names of buffers/inputs written in place
     differentiable: bool = True
     recompute_time: float | None = None               # the forward's time with its inputs out of the caches
+    fwd_scratch: int = 0      # of the workspaces, what kernels allocate inside themselves (the allocator's figure
+    bwd_scratch: int = 0      # above the storages' peak: `AllocatorWindow.hidden`)
     engine_release: int = 0   # how much lower the backward peaks when autograd's engine owns the incoming gradient
 
 
@@ -389,7 +391,7 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
     with tracker:
         m0 = tracker.mark()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (counter_f or _null()), \
-                AllocatorWindow(device) as alloc_f:
+                AllocatorWindow(device, cpu_events=True) as alloc_f:
             outs = runner.forward(args)
         m1 = tracker.mark()
         diff = _diff(outs)
@@ -404,7 +406,8 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
         kept = max(prof.output_bytes + prof.saved_bytes, prof.retained_bytes)
         # on CUDA also what the kernels allocate internally (cuDNN's workspaces, say)
         visible = tracker.peak_between(m0, m1)
-        prof.fwd_workspace = max(0, visible - kept) + alloc_f.hidden(visible)
+        prof.fwd_scratch = alloc_f.hidden(tracker, m0, m1)
+        prof.fwd_workspace = max(0, visible - kept) + prof.fwd_scratch
         prof.fwd_alloc_bytes = sum(d for _, d in tracker.events[m0:m1] if d > 0)
         saved_inputs = {input_keys[k] for k in saved if k in input_keys}
         prof.saves_input = [k in saved_inputs for k in range(len(runner.values))]
@@ -416,7 +419,7 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
             for p in runner.params:
                 p.grad = None
         mb = tracker.mark()
-        with (counter_b or _null()), AllocatorWindow(device) as alloc_b:
+        with (counter_b or _null()), AllocatorWindow(device, cpu_events=True) as alloc_b:
             grads = _backward(diff, gouts, leaves, runner.params)
         m2 = tracker.mark()
         # gradients w.r.t. the inputs: counted in full even when one passes an incoming
@@ -427,8 +430,8 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
         artefacts = _leaf_artefacts(tracker, leaves, in_keys)
         prof.param_grad_bytes = unique_bytes(p.grad for p in runner.params if p.grad is not None)
         prof.param_grads = {storage_key(p): storage_bytes(p.grad) for p in runner.params if p.grad is not None}
-        prof.bwd_workspace = (max(0, tracker.peak_between(mb, m2, exclude=artefacts) - new_grad_bytes)
-                              + alloc_b.hidden(tracker.peak_between(mb, m2)))
+        prof.bwd_scratch = alloc_b.hidden(tracker, mb, m2)
+        prof.bwd_workspace = max(0, tracker.peak_between(mb, m2, exclude=artefacts) - new_grad_bytes) + prof.bwd_scratch
         prof.bwd_alloc_bytes = sum(d for k, d in tracker.events[mb:m2] if d > 0 and k not in artefacts)
         plain = [(o.detach(), o.requires_grad) if isinstance(o, torch.Tensor) else (o, False) for o in outs]
         del grads, outs, diff
