@@ -744,3 +744,28 @@ def test_a_model_that_traces_to_a_few_nodes_gets_a_warning_naming_the_finer_opti
     assert g.meta["granularity_auto"] and "granularity auto: " in notes
     assert (g.meta["granularity"] == "joint") == ("granularity auto: op" in notes)
     assert len(g.forward_ids()) >= 4
+
+
+def test_cpu_scratch_compares_the_log_and_the_tracker_counted_alike():
+    # a block that lets go of a storage made before it and then allocates as much: no kernel
+    # scratch; the CPU's log counts no free of a block allocated before its window, so the
+    # tracker's peak must leave such frees out too (`own_frees_only`), or the free shows as scratch
+    from remat.frontends.measuring import AllocatorWindow, StorageTracker
+    cpu = torch.device("cpu")
+    tracker = StorageTracker(record_events=True)
+    n = 1 << 20
+    with tracker:
+        held = [torch.ones(n // 4)]                 # (4 bytes an element: n bytes)
+        start = tracker.mark()
+        with AllocatorWindow(cpu, cpu_events=True) as w:
+            held.pop()
+            made = torch.ones(n // 4)
+        assert tracker.peak_between(start) == 0     # the free, then the allocation
+        assert tracker.peak_between(start, own_frees_only=True) == n
+        assert w.peak == n and w.hidden(tracker, start) == 0
+        # a kernel's own temporary, which no storage shows: hidden
+        start = tracker.mark()
+        with AllocatorWindow(cpu, cpu_events=True) as w2:
+            torch.ops.aten.native_dropout_backward.default(made, made > 0, 2.0)   # (a float copy of the mask inside)
+        visible = tracker.peak_between(start, own_frees_only=True)
+        assert w2.hidden(tracker, start) == w2.peak - visible >= n
