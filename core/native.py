@@ -23,6 +23,7 @@ engine sums the contributions to a shared parameter's gradient out of place (`en
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 from .graph import Graph
 from .schedule import Schedule
@@ -111,15 +112,44 @@ def obstacle(graph: Graph, schedule: Schedule) -> str | None:
     return None
 
 
+def held_producers(graph: Graph, v: int, preds: list[int]) -> list[int]:
+    """The producers among `preds` whose outputs forward node v's autograd graph may hold to its
+    backward: those whose storages v's forward saved (``extra["saves_input_of"]``, measured by
+    the module frontend) and, through a producer that passes a storage on as its own output (a
+    dropout of probability 0, a view: ``extra["passes_input_of"]``), the node that made it, as
+    far back as storages are passed.  A graph that does not record what a node saved: all of
+    `preds`."""
+    extra = graph.nodes[v].extra
+    if "saves_input_of" not in extra or "passes_input_of" not in extra:
+        return list(preds)
+    held = storages_held(v, lambda j: graph.nodes[j].extra.get("saves_input_of", ()),
+                         lambda j: graph.nodes[j].extra.get("passes_input_of", ()))
+    return [u for u in preds if u in held] + sorted(held - set(preds))
+
+
+def storages_held(v: int, saved: Callable[[int], Iterable[int]], passed: Callable[[int], Iterable[int]]) -> set[int]:
+    """The nodes whose output storages node v's saved tensors hold: ``saved(v)`` (the producers
+    whose outputs v's forward saved) and, for each of them, ``passed(u)`` (the producers whose
+    storage u returns as its own output), as far back as the storage is passed on."""
+    held: set[int] = set()
+    stack = list(saved(v))
+    while stack:
+        u = stack.pop()
+        if u not in held:
+            held.add(u)
+            stack.extend(passed(u))
+    return held
+
+
 def plain_nodes(graph: Graph, schedule: Schedule) -> set[int]:
     """Forward nodes v that plain autograd can run as they are, their saved tensors without hooks:
     the schedule computes v once, never swaps it, frees it (if at all) after its backward node
     b_v or once the model's forward has returned (then b_v does not read v, and the free follows
     v's last reader, where autograd lets it go; inside the forward the model's code may still
-    hold v, which only a followed node's free observes), and frees none of v's forward
-    producers between v's compute and b_v (v's graph may hold their outputs: a storage one node
-    makes and the next passes on, a dropout of probability 0, is read by the second's backward
-    under the first's name)."""
+    hold v, which only a followed node's free observes), and frees none of the producers v's
+    graph holds (`held_producers`) between v's compute and b_v (a storage one node makes and the
+    next passes on, a dropout of probability 0, is read by the second's backward under the
+    first's name)."""
     nodes = graph.nodes
     ops = schedule.ops
     first: dict[int, int] = {}
@@ -149,7 +179,7 @@ def plain_nodes(graph: Graph, schedule: Schedule) -> set[int]:
             continue
         end = len(ops) if end is None else end
         if any(start < k < min(end, backward_from) for k in frees.get(v, [])) or \
-                any(start < k < end for u in preds.get(v, []) for k in frees.get(u, [])):
+                any(start < k < end for u in held_producers(graph, v, preds.get(v, [])) for k in frees.get(u, [])):
             out.discard(v)
     return out
 
@@ -286,5 +316,5 @@ def native_prediction(graph: Graph, schedule: Schedule, held: dict | None = None
             "storage_peak_bytes": native_peak(storage_view(graph), schedule, held)}
 
 
-__all__ = ["recomputable", "events", "Events", "obstacle", "plain_nodes", "nativize", "returned_nodes",
+__all__ = ["recomputable", "events", "Events", "obstacle", "plain_nodes", "held_producers", "storages_held", "nativize", "returned_nodes",
            "engine_sums", "engine_releases", "native_peak", "native_prediction"]

@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_unflatten
 
 from remat.core.errors import InvalidInputError
 from remat.core.graph import Node
+from remat.core.native import storages_held
 
 from .base import Frontend, TraceContext, model_inputs, step_loss
 from .capture import Captured, capture
@@ -349,12 +350,6 @@ def _profile_loss(cap: Captured, env: dict, rg: dict, args: tuple, loss_fn: Call
 
 
 # ---- the graph ---------------------------------------------------------------------------------
-def _saved_preds(s: Segment, p: StageProfile, producer: dict, preds: list[int]) -> list[bool]:
-    """For each producer in `preds`: does stage `s`'s backward read (autograd saved) its output?"""
-    saved = {producer[i] for i, sv in zip(s.inputs, p.saves_input) if sv and i in producer}
-    return [u in saved for u in preds]
-
-
 def _backward_id(m: int, v: int) -> int:
     """The id of forward node v's backward node in a module graph of m forward nodes: forward
     nodes 0..m-1, the loss m, then the backward nodes in reverse order."""
@@ -408,7 +403,9 @@ def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], l
         extra = {"module": s.module, "module_type": s.module_type, "ops": len(s.nodes),
                  "output_bytes": p.output_bytes, "saved_bytes": p.saved_bytes, "retained_bytes": p.retained_bytes,
                  "saves_input_of": sorted({producer[i] for i, sv in zip(s.inputs, p.saves_input)
-                                           if sv and i in producer})}
+                                           if sv and i in producer}),
+                 "passes_input_of": sorted({producer[i] for i, pv in zip(s.inputs, p.passes_input)
+                                            if pv and i in producer})}
         if rng_flags[j]:
             extra["random"] = True
         if mutated[j]:
@@ -465,8 +462,10 @@ def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], l
         p = profs[v]
         if backward_edges == "all" or p.saved_bytes or p.saves_output or p.retained_bytes > p.output_bytes:
             edges.append((v, bwd[v]))
-        for u, sv in zip(preds[v], _saved_preds(stages[v], p, producer, preds[v])):
-            if backward_edges == "all" or sv:
+        # (a storage a later stage passes on as its own output is held under the stage that made it)
+        held = storages_held(v, lambda j: nodes[j].extra["saves_input_of"], lambda j: nodes[j].extra["passes_input_of"])
+        for u in preds[v] + sorted(held - set(preds[v])):
+            if backward_edges == "all" and u in preds[v] or u in held:
                 edges.append((u, bwd[v]))
     return nodes, edges
 

@@ -549,6 +549,10 @@ class NativeExecution:
                     self.glue_preds.setdefault(w, []).append(u)
         for w in self.glue_preds:
             self.glue_preds[w].sort()
+        # untracked nodes feeding a node that takes glue outputs: their outputs are marked as
+        # theirs (foreign), or that node's call would take them for the glue node's
+        self.marks_outputs = {u for u, ws in succ.items() if u not in self.tracked and u not in self.hooked
+                              and self.specs[u].calls and any(w in self.glue_preds for w in ws)}
 
     def _static_seen(self, model: torch.nn.Module) -> list:
         """The parameters and buffers whose storages a step must know as static (saved as they
@@ -682,6 +686,10 @@ class NativeExecution:
         _, j, _, last = self.expected[st.call_pos - 1]
         if j in self.tracked or j in self.hooked:
             self._register_outputs(st, j, out)
+        elif j in self.marks_outputs:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    st.foreign[storage_key(t)] = StorageWeakRef(t.untyped_storage())
         if last:
             self._end(st, j)
             if j + 1 < len(self.specs) and self.specs[j + 1].glue_first:
@@ -708,11 +716,15 @@ class NativeExecution:
         return tree_map(ref, args), tree_map(ref, kwargs)
 
     def _glue_output(self, st: _Step, j: int, a: torch.Tensor) -> None:
-        """An argument of node j's call that is no entry yet is an output of glue code: of the
-        latest glue node among j's producers (graph edges) that has run."""
+        """An argument of node j's call that is no entry yet, nor an untracked node's output
+        (`marks_outputs`), is an output of glue code: of the latest glue node among j's
+        producers (graph edges) that has run."""
         glue = [g for g in self.glue_preds.get(j, ()) if g <= st.ended or g == st.current]
-        if glue and storage_key(a) not in st.owner and storage_key(a) not in st.static:
-            self._register_outputs(st, glue[-1], a)
+        key = storage_key(a)
+        if glue and key not in st.owner and key not in st.static:
+            foreign = st.foreign.get(key)
+            if foreign is None or foreign.expired():   # (an untracked node's output is not the glue's)
+                self._register_outputs(st, glue[-1], a)
 
     def _register_outputs(self, st: _Step, j: int, out) -> None:
         """Node j's outputs: entries when j is tracked; a pre-hook on their autograd functions

@@ -105,6 +105,7 @@ class StageProfile:
     bwd_workspace: int = 0
     saves_input: list = field(default_factory=list)   # per input: does autograd save its storage
     saves_output: bool = False                        # does autograd save one of the outputs
+    passes_input: list = field(default_factory=list)  # per input: is its storage (a view of) an output
     fwd_flops: int = 0
     bwd_flops: int = 0
     fwd_alloc_bytes: int = 0
@@ -411,6 +412,8 @@ def _measured_run(runner: Runner, ignore: list, grad_outputs: Callable[[list], l
         prof.fwd_alloc_bytes = sum(d for _, d in tracker.events[m0:m1] if d > 0)
         saved_inputs = {input_keys[k] for k in saved if k in input_keys}
         prof.saves_input = [k in saved_inputs for k in range(len(runner.values))]
+        passed = {input_keys[k] for k in out_keys if k in input_keys}
+        prof.passes_input = [k in passed for k in range(len(runner.values))]
         # the incoming gradients stand for the consumers' backward outputs: made here, then
         # left out of this node's backward figures
         gouts = grad_outputs(diff) if grad_outputs else [torch.ones_like(o) for o in diff]

@@ -232,11 +232,11 @@ def test_remat_run_executor_native(tmp_path, capsys):
     assert rc == 0 and "executor   native" in out and "measured" in out
 
 
-def _hf_gpt2(use_cache: bool):
+def _hf_gpt2(use_cache: bool, **config):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=512, n_positions=64, use_cache=use_cache,
-                                  bos_token_id=0, eos_token_id=0)
+                                  bos_token_id=0, eos_token_id=0, **config)
     model = transformers.GPT2LMHeadModel(cfg).train()
     ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids}
@@ -309,15 +309,17 @@ def test_frees_after_the_forward_returned_leave_a_node_plain_and_frees_in_it_do_
     in_forward = {o.node for o in ops[:first_bwd] if o.op == "free"}
     plain = native.plain_nodes(graph, Schedule(ops, None))
     assert in_forward and not in_forward & plain
-    # and so is a node whose producer goes before its backward, even where the graph says that
-    # backward reads nothing of it (the storage may reach it under another node's name)
+    # a node whose producer goes before its backward, where the graph says that backward holds
+    # nothing of it (no storage of it saved, none passed on: `held_producers`), runs plain but
+    # where a free of its own inside the forward keeps it followed (the storage-passing case:
+    # test_a_storage_a_module_passes_on_is_held_to_the_backward_that_saved_it)
     at = {(o.op, o.node): k for k, o in reversed(list(enumerate(ops)))}
     b_of = {v.extra.get("forward"): v.id for v in graph.nodes if v.kind == "backward"}
     bwd_reads = {(u, w) for u, w in graph.edges}
     cases = [v for u, v in graph.edges if graph.nodes[u].kind == graph.nodes[v].kind == "forward"
              and at[("compute", v)] < at.get(("free", u), -1) < at[("compute", b_of[v])]
              and (u, b_of[v]) not in bwd_reads]
-    assert cases and not set(cases) & plain
+    assert {u for u in cases if u not in in_forward} and {u for u in cases if u not in in_forward} <= plain
 
 
 def test_a_transformers_model_trains_natively_with_its_own_loss():
@@ -438,3 +440,38 @@ def test_a_tied_weights_gradient_sum_is_predicted_as_autograds_engine_makes_it()
     assert peak > native.native_peak(type(graph)(graph.nodes, graph.edges, graph.fixed_bytes, without),
                                      ex.schedule, ex.held) + entry["bytes"] // 2
     assert predicted * (1 - 0.01) <= peak <= predicted * (1 + OVER_TOLERANCE), (peak, predicted)
+
+
+def test_a_storage_a_module_passes_on_is_held_to_the_backward_that_saved_it():
+    # transformers' GPT-2 with embedding dropout 0: `transformer.drop` returns the embeddings' sum
+    # as it is, so block 0's backward reads the sum's storage under the dropout's name.  The graph
+    # holds the sum's node to that backward; at 1.0x no block needs following; natively the step
+    # runs (it failed before: the plan freed the sum that block 0's saved tensors refer to) with
+    # the predicted peak and plain autograd's gradients
+    model, batch = _hf_gpt2(use_cache=False, embd_pdrop=0.0)
+    graph = remat.trace(model, batch, loss_fn=lambda out, *a: out.loss, granularity="module", progress=False)
+    ids = {v.name: v.id for v in graph.nodes}
+    drop, h0 = ids["transformer.drop"], ids["transformer.h.0"]
+    [summed] = graph.nodes[drop].extra["passes_input_of"]
+    assert graph.nodes[h0].extra["saves_input_of"] == [drop]
+    b_h0 = next(v.id for v in graph.nodes if v.kind == "backward" and v.extra.get("forward") == h0)
+    assert (summed, b_h0) in graph.edges
+    assert native.held_producers(graph, h0, [summed, drop]) == [summed, drop]
+    plan = remat.plan(graph, "1.0x", swap=False, time_limit=10, executor="native")
+    blocks = {ids[f"transformer.h.{k}"] for k in range(3)}
+    assert blocks <= native.plain_nodes(graph, plan.schedule)
+    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
+    ex = apply(mine, plan, executor="native")
+    rng = torch.get_rng_state()
+    ref(**batch).loss.backward()
+    torch.set_rng_state(rng)
+    mine(**batch).loss.backward()
+    for (n, p), q in zip(ref.named_parameters(), mine.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    mine.zero_grad(set_to_none=True)
+
+    def step():
+        out = mine(**batch)
+        out.loss.backward()
+    peak = measure_peak(step, resident=list(mine.parameters()) + list(mine.buffers()) + [batch["input_ids"]])
+    assert ex.predicted["peak_bytes"] * (1 - UNDER_TOLERANCE) <= peak <= ex.predicted["peak_bytes"] * (1 + OVER_TOLERANCE)
