@@ -350,6 +350,11 @@ def _profile_loss(cap: Captured, env: dict, rg: dict, args: tuple, loss_fn: Call
 
 
 # ---- the graph ---------------------------------------------------------------------------------
+def _producers_where(s: Segment, flags: list, producer: dict) -> list[int]:
+    """The stages (sorted) producing the inputs of stage `s` whose flag (one per input) is set."""
+    return sorted({producer[i] for i, f in zip(s.inputs, flags) if f and i in producer})
+
+
 def _backward_id(m: int, v: int) -> int:
     """The id of forward node v's backward node in a module graph of m forward nodes: forward
     nodes 0..m-1, the loss m, then the backward nodes in reverse order."""
@@ -402,10 +407,8 @@ def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], l
     for j, (s, p) in enumerate(zip(stages, profs)):
         extra = {"module": s.module, "module_type": s.module_type, "ops": len(s.nodes),
                  "output_bytes": p.output_bytes, "saved_bytes": p.saved_bytes, "retained_bytes": p.retained_bytes,
-                 "saves_input_of": sorted({producer[i] for i, sv in zip(s.inputs, p.saves_input)
-                                           if sv and i in producer}),
-                 "passes_input_of": sorted({producer[i] for i, pv in zip(s.inputs, p.passes_input)
-                                            if pv and i in producer})}
+                 "saves_input_of": _producers_where(s, p.saves_input, producer),
+                 "passes_input_of": _producers_where(s, p.passes_input, producer)}
         if rng_flags[j]:
             extra["random"] = True
         if mutated[j]:
@@ -464,9 +467,8 @@ def _assemble(cap: Captured, stages: list[Segment], profs: list[StageProfile], l
             edges.append((v, bwd[v]))
         # (a storage a later stage passes on as its own output is held under the stage that made it)
         held = storages_held(v, lambda j: nodes[j].extra["saves_input_of"], lambda j: nodes[j].extra["passes_input_of"])
-        for u in preds[v] + sorted(held - set(preds[v])):
-            if backward_edges == "all" and u in preds[v] or u in held:
-                edges.append((u, bwd[v]))
+        read = [u for u in preds[v] if backward_edges == "all" or u in held] + sorted(held - set(preds[v]))
+        edges.extend((u, bwd[v]) for u in read)
     return nodes, edges
 
 

@@ -319,7 +319,8 @@ def test_frees_after_the_forward_returned_leave_a_node_plain_and_frees_in_it_do_
     cases = [v for u, v in graph.edges if graph.nodes[u].kind == graph.nodes[v].kind == "forward"
              and at[("compute", v)] < at.get(("free", u), -1) < at[("compute", b_of[v])]
              and (u, b_of[v]) not in bwd_reads]
-    assert {u for u in cases if u not in in_forward} and {u for u in cases if u not in in_forward} <= plain
+    held_nothing = {v for v in cases if v not in in_forward}
+    assert held_nothing and held_nothing <= plain
 
 
 def _hf_native_step(model, batch, plan):

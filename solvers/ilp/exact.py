@@ -44,7 +44,7 @@ from remat.core.analysis import check_budget, check_forced_need, node_need
 from remat.core.errors import InfeasibleBudgetError, SolverError
 from remat.core.graph import Graph
 from remat.core.schedule import Schedule
-from remat.core.simulate import simulate
+from remat.core.simulate import SimResult, simulate
 from remat.solvers import baselines, chen, griewank, stage_order
 
 from . import bounds, instant, mip, warm
@@ -376,12 +376,17 @@ def smallest_peak_start(graph: Graph, bandwidth: float | None = None) -> Schedul
     """The lowest-peak schedule among checkpoint-all and Chen's greedy segments over all forward
     nodes and over articulation points (segment budget swept), waste pruned: a valid start for
     the stage model without swaps or backward recomputation, found in milliseconds."""
-    best, best_peak = None, None
+    return _smallest_peak(graph, bandwidth)[0]
+
+
+def _smallest_peak(graph: Graph, bandwidth: float | None) -> tuple[Schedule, SimResult]:
+    """`smallest_peak_start` with its simulation (valid)."""
+    best = None
     for make in (baselines.checkpoint_all, chen.chen_greedy, chen.chen_greedy_ap):
         sched = prune_waste(graph, make(graph))
         res = simulate(graph, sched, bandwidth)
-        if res.valid and (best_peak is None or res.peak_bytes < best_peak):
-            best, best_peak = sched, res.peak_bytes
+        if res.valid and (best is None or res.peak_bytes < best[1].peak_bytes):
+            best = (sched, res)
     if best is None:
         raise SolverError("no starting schedule replays (checkpoint-all and Chen's greedy segments)")
     return best
@@ -411,14 +416,11 @@ def min_feasible_budget(graph: Graph, swap: bool = True, time_limit: float | Non
     # a few simulations): without a start it may find no schedule at all in the time limit on
     # graphs of a hundred nodes, the LP bound is weak so it rarely proves optimality, and the
     # start is the answer when CBC improves on nothing (a loaded machine's short limit)
-    start = smallest_peak_start(graph, bandwidth)
+    start, res = _smallest_peak(graph, bandwidth)
     set_warm_start(m, start)
     out = mip.run(m, "cbc", time_limit, 0.0, None, True, False)
     # the lower simulated peak of CBC's answer and the start: CBC may reject the start (rounding in
     # the quantised model) and stop at a worse incumbent of its own when the limit is short
-    res = simulate(graph, start, bandwidth)
-    if not res.valid:
-        raise SolverError(f"the smallest-peak start does not replay: {res.violation}")
     if out["sol_status"] in (1, 2):
         found = simulate(graph, schedule_from_model(graph, m), bandwidth)
         if not found.valid:
