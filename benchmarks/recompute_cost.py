@@ -2,7 +2,7 @@
 
 Native execution (`remat.apply(..., executor="native")`) recomputes a module by calling it again
 inside the backward; the simulator prices that call at the module's recompute time (its forward
-timed right after the caches were emptied, `profile.cold_times`), where the first compute is
+timed right after the caches were emptied, `profile.cold_factors`), where the first compute is
 priced at its forward time in a loop (caches warm).  This script measures, on one model, in one
 run:
 

@@ -54,7 +54,7 @@ from remat.core.native import storages_held
 
 from .base import Frontend, TraceContext, model_inputs, step_loss
 from .capture import Captured, capture
-from .profile import (FlopsModel, Runner, StageProfile, Timer, cold_times, is_random, profile_runner, release_plan, run_nodes,
+from .profile import (FlopsModel, Runner, StageProfile, Timer, cold_factors, is_random, profile_runner, release_plan, run_nodes,
                       writes_of)
 from .segments import Segment, auto_depth, cut, group_modules, repeated_blocks
 
@@ -233,7 +233,7 @@ def _profile_stages(cap: Captured, stages: list[Segment], args: tuple, loss_fn: 
                     measure_time: bool, warmup: int, repeats: int, flops: bool, progress: bool, model_name: str,
                     statics: list, fresh_grads: bool = False, cold: bool = False):
     """Each stage's profile (`profile_runner`), the loss's; with `cold` (module stages, each
-    recomputed whole) and `measure_time`, each forward's recompute time (`profile.cold_times`)."""
+    recomputed whole) and `measure_time`, each forward's recompute time (`profile.cold_factors`)."""
     from tqdm import tqdm
 
     env: dict = dict(cap.values)
@@ -276,9 +276,9 @@ def _profile_stages(cap: Captured, stages: list[Segment], args: tuple, loss_fn: 
         bar.update()
     if measure_time and cold:
         # each forward again with its inputs out of the caches, as a recomputation finds them
-        seconds = cold_times([lambda r=r: r.forward(r.make_inputs()[0]) for r in runners], dev, repeats)
-        for prof, t in zip(profs, seconds):
-            prof.recompute_time = max(prof.fwd_time, t)
+        factors = cold_factors([lambda r=r: r.forward(r.make_inputs()[0]) for r in runners], dev, repeats)
+        for prof, f in zip(profs, factors):
+            prof.recompute_time = prof.fwd_time * max(1.0, f)
     return profs, loss_prof, rng_flags, mutated
 
 

@@ -178,38 +178,47 @@ def cache_bytes(device: torch.device) -> int:
     return max(8 << 20, max(sizes, default=64 << 20))
 
 
-def cold_times(runs: list[Callable[[], Any]], device: torch.device, repeats: int) -> list[float]:
-    """Seconds of each of `runs` as a recomputation finds the caches: without its inputs, its
-    parameters or the memory it writes.
+def cold_factors(runs: list[Callable[[], Any]], device: torch.device, repeats: int) -> list[float]:
+    """Per run of `runs`, how much longer it takes as a recomputation finds the caches (without
+    its inputs, its parameters or the memory it writes) than with them warm: the median over
+    `repeats` pairs of cold / warm seconds, each pair a run right after writing a buffer of the
+    last-level cache's size (`cache_bytes`; Triton's ``do_bench`` empties the L2 the same way
+    before it times a kernel) and the same run again at once.
 
     A recomputation reads tensors saved long before and writes into memory the step has not
     touched lately, while a profile that runs a node in a loop finds all of them in the caches
     (on a 2-core CPU a recomputed bottleneck block took 1.8x, a batch norm 3x, its looped time).
-    So each run is timed `repeats` times, each right after writing a buffer of the last-level
-    cache's size (`cache_bytes`; Triton's ``do_bench`` empties the L2 the same way before it
-    times a kernel).  Per run the median.  A smaller buffer does not reproduce the step: on the
-    2-core CPU machine (zoo ResNet-50, batch 8, 64 px, recomputed natively) a buffer of twice
-    what the step allocates priced the recomputations at 1/1.5 of what they took in the step,
-    the whole cache at what they took.
+    A smaller buffer does not reproduce the step: on the 2-core CPU machine (zoo ResNet-50,
+    batch 8, 64 px, recomputed natively) a buffer of twice what the step allocates priced the
+    recomputations at 1/1.5 of what they took in the step, the whole cache at what they took.
+    The ratio of adjacent runs, not the cold run's own seconds: on a shared machine writing the
+    whole cache (480 MiB there) slows every run for a while, and an attention block that
+    dropout's random numbers keep compute-bound (45 ms, the same warm or cold) timed cold at 50
+    to 150 ms from one trace to the next; its pair's warm run slows alike.
 
-    The module frontend prices its forward nodes' recomputations so (`Node.recompute_time`): a
-    module is recomputed whole, its entry reading saved inputs.  The joint graph does not: there
-    a recomputation runs as a chain of ops, each but the first reading its predecessor's fresh
-    output, so each op priced cold overshoots (zoo ResNet-50's op-level plan at 0.5x predicted
-    1.41x plain's step where it measured 1.21x); its nodes keep the first compute's time."""
+    The module frontend prices its forward nodes' recomputations so (`Node.recompute_time`, the
+    looped forward time times the factor): a module is recomputed whole, its entry reading saved
+    inputs.  The joint graph does not: there a recomputation runs as a chain of ops, each but
+    the first reading its predecessor's fresh output, so each op priced cold overshoots (zoo
+    ResNet-50's op-level plan at 0.5x predicted 1.41x plain's step where it measured 1.21x); its
+    nodes keep the first compute's time."""
     timer = Timer(device)
     flush = torch.empty(cache_bytes(device), dtype=torch.uint8, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out = []
     for run in runs:
-        seconds = []
+        ratios = []
         for _ in range(repeats):
             flush.zero_()
             sync()
             a = timer.mark()
             run()
-            seconds.append(timer.seconds(a, timer.mark()))
-        out.append(statistics.median(seconds))
+            b = timer.mark()
+            run()
+            c = timer.mark()
+            cold, warm = timer.seconds(a, b), timer.seconds(b, c)
+            ratios.append(cold / warm if warm > 0 else 1.0)
+        out.append(statistics.median(ratios))
     del flush
     return out
 
@@ -488,5 +497,5 @@ def _flop_counter():
     return FlopCounterMode(display=False)
 
 
-__all__ = ["FlopsModel", "StageProfile", "Runner", "profile_runner", "cache_bytes", "cold_times", "run_nodes", "is_random", "writes_of",
+__all__ = ["FlopsModel", "StageProfile", "Runner", "profile_runner", "cache_bytes", "cold_factors", "run_nodes", "is_random", "writes_of",
            "Timer", "release_plan"]

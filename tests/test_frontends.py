@@ -260,32 +260,55 @@ def test_measure_profile_positive_and_repeatable():
     assert 1 / 3 < ratio < 3, ratio
 
 
-def test_cold_times_flush_the_last_level_cache_before_every_timed_run(monkeypatch):
+def test_cold_factors_pair_a_run_after_a_cache_flush_with_one_at_once(monkeypatch):
     from remat.frontends import profile
     assert profile.cache_bytes(torch.device("cpu")) >= 8 << 20
     monkeypatch.setattr(profile, "cache_bytes", lambda device: 1 << 20)
-    flushes, calls = [], []
+    events = []
     real_zero = torch.Tensor.zero_
 
     def zero_(t):
-        flushes.append(t.numel())
+        events.append(("flush", t.numel()))
         return real_zero(t)
     monkeypatch.setattr(torch.Tensor, "zero_", zero_)
-    runs = [lambda k=k: calls.append(k) for k in range(3)]
-    out = profile.cold_times(runs, torch.device("cpu"), repeats=4)
-    # one median per run; each of its 4 timed runs right after a flush of the cache's bytes
-    assert len(out) == 3 and all(t >= 0 for t in out)
-    assert calls == [0] * 4 + [1] * 4 + [2] * 4 and flushes == [1 << 20] * 12
+    # run k's first run after each flush takes 3 ticks, the next one 1: factor 3
+    ticks = {0: 3.0, 1: 1.0}
+
+    class FakeTimer:
+        def __init__(self, device):
+            self.t = 0.0
+
+        def mark(self):
+            return self.t
+
+        def seconds(self, a, b):
+            return b - a
+
+    timer = FakeTimer(None)
+    monkeypatch.setattr(profile, "Timer", lambda device: timer)
+    runs = []
+    for k in range(3):
+        def run(k=k):
+            after_flush = events[-1][0] == "flush"
+            events.append(("run", k))
+            timer.t += ticks[0] * (k + 1) if after_flush else ticks[1] * (k + 1)
+        runs.append(run)
+    out = profile.cold_factors(runs, torch.device("cpu"), repeats=4)
+    # one factor per run: the median of 4 pairs, each a run right after a flush of the cache's
+    # bytes (3 ticks) and the same run again at once (1 tick), whatever each run's own length
+    assert out == [3.0, 3.0, 3.0]
+    pair = lambda k: [("flush", 1 << 20), ("run", k), ("run", k)]  # noqa: E731
+    assert events == [e for k in range(3) for _ in range(4) for e in pair(k)]
 
 
 def test_module_nodes_carry_a_cold_recompute_time_and_other_graphs_none(monkeypatch):
     from remat.frontends import modules, profile
     seen = []
 
-    def cold_times(runs, device, repeats):
+    def cold_factors(runs, device, repeats):
         seen.append((len(runs), repeats))
-        return profile.cold_times(runs, device, repeats)
-    monkeypatch.setattr(modules, "cold_times", cold_times)
+        return profile.cold_factors(runs, device, repeats)
+    monkeypatch.setattr(modules, "cold_factors", cold_factors)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
     x = torch.randn(64, 256)
