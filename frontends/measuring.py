@@ -377,9 +377,20 @@ class AllocationLog:
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._peaks: dict[Any, int] | None = None
 
+    _warned = False   # (class-wide: the allocator's once-a-process warning, `__enter__`)
+
     def __enter__(self) -> "AllocationLog":
         with warnings.catch_warnings(), _quiet_stderr():
             warnings.simplefilter("ignore")
+            if not AllocationLog._warned:
+                # the CPU allocator writes to stderr, once a process, when a block allocated before
+                # a memory profile is freed inside one, as every step's frees of what the step
+                # before it left are: spent here, quietly, on a block of its own
+                from torch.profiler import ProfilerActivity, profile
+                block = torch.empty(1)
+                with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+                    del block
+                AllocationLog._warned = True
             self._prof.__enter__()
         return self
 
@@ -448,8 +459,9 @@ def allocator_peak(step_fn: Callable[[], Any], resident: Iterable[Any] = ()) -> 
     back while it ran (PyTorch's profiler with ``profile_memory``: one allocation event per
     allocation and free, with its size).  Unlike `StorageTracker` it changes nothing about what
     runs, so it sees inside ``torch.compile``'d code (inductor's buffers), and it sees a
-    kernel's internal scratch buffers too; a free of a tensor allocated before the call counts
-    as negative, as it lowers what the allocator holds."""
+    kernel's internal scratch buffers too.  A free of a block allocated before the call is left
+    out of the sum (`_running_peak`: the profiler may report a stale size for it), so what the
+    call frees of older blocks does not lower its peak."""
     base = unique_bytes(t for t in resident if isinstance(t, torch.Tensor))
     with AllocationLog() as log:
         step_fn()

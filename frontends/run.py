@@ -16,7 +16,11 @@ warm-up step comes first (it allocates the gradients and, on CUDA, the pinned ho
 The same accounting measures as many plain autograd steps, each after a planned one (in turns,
 after a warm-up of each, on batches of their own; natively with the execution paused), for the
 ratio of step times (on the CPU the accounting's per-op cost is in both times: compare the
-ratio, not the times).
+ratio, not the times).  `meter` picks the CPU's meter (`remat.measure`'s): ``"storage"``, the
+accounting of tensor storages, compared with the prediction's storage view (no kernel scratch);
+``"allocator"``, the allocator's own figure, kernels' scratch included as CUDA's
+``max_memory_allocated`` sees it, compared with the whole prediction; ``"auto"``, the allocator
+unless the plan swaps (on a CPU the allocator counts the host buffers as its own bytes).
 The global RNG is seeded with `seed` first, so a run is reproducible.
 """
 from __future__ import annotations
@@ -37,7 +41,7 @@ from .measuring import Measurement, measure
 from .base import default_loss, make_optimizer, optimizer_tensors, split_inputs, step_loss
 
 
-__all__ = ["run_plan", "RunReport", "random_batch", "gradients_to_none", "metered_prediction"]
+__all__ = ["run_plan", "run_meter", "RUN_METERS", "RunReport", "random_batch", "gradients_to_none", "metered_prediction"]
 
 
 def metered_prediction(predicted: dict, storage_peak: int) -> dict:
@@ -48,6 +52,27 @@ def metered_prediction(predicted: dict, storage_peak: int) -> dict:
     if storage_peak == predicted.get("peak_bytes"):
         return dict(predicted)
     return {**predicted, "peak_bytes": int(storage_peak), "allocator_peak_bytes": predicted["peak_bytes"]}
+
+
+RUN_METERS = ("storage", "allocator", "auto")
+
+
+def run_meter(plan: Plan, meter: str, device: torch.device) -> str:
+    """The meter a run of `plan` on `device` uses for `meter` (module docstring): on CUDA
+    "allocator" (``max_memory_allocated``, whatever is asked); on a CPU "auto" is "allocator"
+    unless the plan swaps.  Raises `InvalidInputError` for an unknown meter and for the CPU's
+    allocator on a plan that swaps (its host buffers would count as device bytes)."""
+    if meter not in RUN_METERS:
+        raise InvalidInputError(f"--meter: expected one of {', '.join(RUN_METERS)}, got {meter!r}")
+    if device.type == "cuda":
+        return "allocator"
+    swaps = plan.predicted.get("host_peak_bytes", 0) > 0
+    if meter == "auto":
+        return "storage" if swaps else "allocator"
+    if meter == "allocator" and swaps:
+        raise InvalidInputError("--meter allocator: the plan swaps, and on a CPU the allocator counts its host "
+                                "buffers as device bytes; use --meter storage (or plan with --no-swap)")
+    return meter
 
 
 def gradients_to_none(plan: Plan) -> bool:
@@ -67,6 +92,7 @@ class RunReport:
     plain_steps: list[Measurement] = field(default_factory=list)
     host_peak_bytes: int = 0
     executor: str = "interpreter"
+    meter: str = "storage"   # the CPU's meter that measured the steps (`run_meter`)
     # what the executor that ran predicts (the plan's own figures; natively, `NativeExecution.predicted`)
     predicted: dict = field(default_factory=dict)
 
@@ -115,16 +141,18 @@ def random_batch(example: Any, generator: torch.Generator | None = None,
 def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: int = 3,
              device: "str | torch.device | None" = None, lr: float = 1e-3, loss_fn: Callable | None = None,
              plain: bool = True, seed: int = 0, on_step: Callable[[int, float, Measurement], None] | None = None,
-             executor: str = "interpreter") -> RunReport:
+             executor: str = "interpreter", meter: str = "storage") -> RunReport:
     """Train `steps` steps of `model` with `plan` on random batches; measure each (see the
     module docstring).  `device` defaults to where the parameters are; the model and the
     example move there.  `on_step(k, loss, measurement)` is called after each step.
-    `executor`: as `remat.apply`'s; a native execution's hooks come off before the plain steps."""
+    `executor`: as `remat.apply`'s; a native execution's hooks come off before the plain steps.
+    `meter`: "storage", "allocator" or "auto" (module docstring); `RunReport.meter` says which ran."""
     if not isinstance(steps, int) or steps < 1:
         raise InvalidInputError(f"--steps: must be a whole number >= 1, got {steps!r}")
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("--device cuda: no CUDA device is available here; use --device cpu")
+    meter = run_meter(plan, meter, dev)
     model.to(dev)
     model.train()
     args, kwargs = split_inputs(example_inputs, None)
@@ -144,7 +172,7 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     report = RunReport(plan, str(dev), executor="native" if native else "interpreter",
-                       predicted=dict(planned.predicted) if native else dict(plan.predicted))
+                       predicted=dict(planned.predicted) if native else dict(plan.predicted), meter=meter)
     to_none = gradients_to_none(plan)
 
     def fixed(batch: tuple) -> list:
@@ -163,7 +191,7 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
             box.append(loss.detach())
             if named:
                 opt.step()
-        m = measure(step, dev, resident=fixed(held[0]))
+        m = measure(step, dev, resident=fixed(held[0]), meter=meter)
         held.clear()   # (on CUDA every live tensor counts: one step's batch is not the other's)
         if not named:
             opt.step()
@@ -178,7 +206,7 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
             if native:
                 planned.paused = True
             try:
-                pm = measure(plain_step, dev, resident=fixed(held[0]))
+                pm = measure(plain_step, dev, resident=fixed(held[0]), meter=meter)
             finally:
                 if native:
                     planned.paused = False
@@ -195,7 +223,7 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
     if native:
         report.predicted = dict(planned.predicted)  # (after what the steps observed: `NativeExecution.held`)
         planned.remove()
-    if dev.type != "cuda":   # the storage accounting measured it: its view of the prediction
+    if dev.type != "cuda" and meter == "storage":   # the storage accounting measured it: its view of the prediction
         seen = report.predicted.get("storage_peak_bytes")
         report.predicted = metered_prediction(report.predicted, plan.storage_peak_bytes if seen is None else seen)
     opt.zero_grad(set_to_none=to_none)

@@ -461,6 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the plan runs: interpreter (the captured ops replayed, the default), native (the "
                    "model's own code with hooks; with --budget it plans for it), auto (native when the plan fits "
                    "that way)")
+    p.add_argument("--meter", choices=("auto", "allocator", "storage"), default="auto",
+                   help="on a CPU, how peaks are measured: allocator (the allocator's own figure, kernels' scratch "
+                   "included, as CUDA's max_memory_allocated), storage (tensor storages only, against the "
+                   "prediction without scratch), auto (the allocator unless the plan swaps: the default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while tracing")
     p.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="with --budget: write the plan")
     _add_trace_options(p)

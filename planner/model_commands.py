@@ -163,7 +163,7 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
     per step, then plain autograd's."""
     from remat.core.plan import load_plan
     from remat.core.units import format_bytes
-    from remat.frontends.run import metered_prediction, run_plan
+    from remat.frontends.run import metered_prediction, run_meter, run_plan
 
     from .budget import baseline_peak
     from .planning import plan as make_plan
@@ -206,11 +206,12 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
             executor = "interpreter"
             print(f"executor   interpreter: {why}")
     unit = "s" if p.graph.meta.get("profiler") == "measure" else "s (flops model)"
-    on_cpu = str(args.device or next(model.parameters()).device).startswith("cpu")
+    import torch
+    meter = run_meter(p, getattr(args, "meter", "storage"), torch.device(args.device or next(model.parameters()).device))
     metered = metered_prediction(pr, pr["storage_peak_bytes"] if "storage_peak_bytes" in pr else p.storage_peak_bytes) \
-        if on_cpu else pr
+        if meter == "storage" else pr
     seen = ("" if metered["peak_bytes"] == pr["peak_bytes"] else
-            f" ({format_bytes(metered['peak_bytes'])} of tensor storages, what the CPU meter sees)")
+            f" ({format_bytes(metered['peak_bytes'])} of tensor storages, what the CPU's storage meter sees)")
     print(f"plan       {s.get('name')}: {s.get('status')}, budget {format_bytes(p.budget_bytes)}, predicted peak "
           f"{format_bytes(pr['peak_bytes'])}{seen}, host {format_bytes(pr['host_peak_bytes'])}, time {pr['time']:.4g} "
           f"{unit} ({pr['overhead']:.3f}x)")
@@ -221,7 +222,7 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
         print(f"step {k:<5} loss {loss:.6g}  peak {format_bytes(m.peak_bytes)} ({100 * err:+.1f}% of predicted)  "
               f"time {m.time * 1e3:.4g} ms")
     rep = run_plan(model, inputs, p, steps=args.steps, device=args.device, lr=args.lr, plain=not args.no_plain,
-                   on_step=show, executor=executor)
+                   on_step=show, executor=executor, meter=meter)
     pr = {**pr, "peak_bytes": rep.predicted.get("peak_bytes", pr["peak_bytes"])}
     print(f"measured   peak {format_bytes(rep.peak_bytes)} vs predicted {format_bytes(pr['peak_bytes'])} "
           f"({100 * rep.peak_error:+.1f}%), budget {format_bytes(p.budget_bytes)}, host {format_bytes(rep.host_peak_bytes)} "
@@ -430,7 +431,7 @@ def run_capacity(args: Any, solver_options: dict, trace_options: dict) -> int:
             print(f"verify     {dim} {v.size}: traced and planned ({v.plan.solver.get('status')}, predicted "
                   f"{format_bytes(pr['peak_bytes'])} at {pr['overhead']:.3f}x); one step measured "
                   f"{format_bytes(v.measured_bytes)} {'<=' if v.fits else '>'} {format_bytes(v.memory)} "
-                  f"({'natively' if v.executor == 'native' else 'by the interpreter'})")
+                  f"({'natively' if v.executor == 'native' else 'by the interpreter'}, the {v.meter}'s meter)")
     plan = rep.plan()
     if plan is None:
         print(f"no         {dim} fits {format_bytes(args.memory_bytes)}")

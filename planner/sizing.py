@@ -9,8 +9,11 @@ proven).  Beside it, what a user would get without remat, measured on the device
 sizes, a guess from the same polynomial and measured steps around it: plain autograd, and
 ``torch.utils.checkpoint`` on every block (`checkpointing.checkpoint_every_block`).  With ``verify=True`` the answer is
 traced at its size, planned within `memory` and one planned step is run: its measured peak must
-be within the memory.  On the CPU the peaks are the exact storage accounting of
-`remat.measure`; on CUDA ``max_memory_allocated``.
+be within the memory.  Every peak is the allocator's figure, as the search's graphs count it
+(kernels' scratch included): on CUDA ``max_memory_allocated``, on the CPU
+``remat.measure(..., meter="allocator")``; only a verified plan that swaps is measured by the
+CPU's storage accounting against the prediction's storage view (there the allocator counts the
+host buffers as its own).
 """
 from __future__ import annotations
 
@@ -69,6 +72,7 @@ class Verification:
     plain_time: float | None = None  # and of plain autograd's at the same size (on a CPU, which has the room)
     executor: str = "interpreter"    # what ran them: "native" (the model's own code) or "interpreter"
     predicted_bytes: int | None = None  # the peak that executor predicts, as the device's meter sees it
+    meter: str = "allocator"            # the CPU's meter that measured it (`remat.frontends.run.run_meter`)
 
     @property
     def time_ratio(self) -> float | None:
@@ -131,7 +135,7 @@ def _pinned(graph: Graph, options: dict) -> dict:
 def _step(model: torch.nn.Module, inputs: Any, loss_fn: Callable, device: torch.device, to_none: bool,
           steps: int = 3) -> tuple[int, float]:
     """(peak bytes, median seconds) of `steps` measured training steps (gradients zeroed as the
-    graph expects) after one warm-up step."""
+    graph expects) after one warm-up step, on the allocator's meter."""
     args, kwargs = split_inputs(inputs, None)
     model.to(device).train()
     args = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in args)
@@ -141,7 +145,8 @@ def _step(model: torch.nn.Module, inputs: Any, loss_fn: Callable, device: torch.
             p.grad = None if to_none else torch.zeros_like(p)
         resident = (list(model.parameters()) + list(model.buffers()) + tree_flatten((args, kwargs))[0]
                     + [p.grad for p in model.parameters() if p.grad is not None])
-        m = measure(lambda: step_loss(model, loss_fn, args, kwargs).backward(), device, resident=resident)
+        m = measure(lambda: step_loss(model, loss_fn, args, kwargs).backward(), device, resident=resident,
+                    meter="allocator")
         if k:
             peak, times = max(peak, m.peak_bytes), times + [m.time]
     return peak, statistics.median(times)
@@ -262,10 +267,11 @@ def verify_size(make: Callable, size: int, dim: str, memory: int, trace_options:
     if reused is not None and (p is None or reused.predicted["time"] < p.predicted["time"]):
         p = reused
     plain = device.type == "cpu" and steps > 1  # (plain autograd may not fit a real device's memory)
-    rep = run_plan(model, inputs, p, steps=steps, device=device, loss_fn=loss_fn, plain=plain, executor="auto")
+    rep = run_plan(model, inputs, p, steps=steps, device=device, loss_fn=loss_fn, plain=plain, executor="auto",
+                   meter="auto")
     return Verification(size, p, rep.peak_bytes, memory, step_time=rep.step_time,
                         plain_time=rep.plain.time if rep.plain is not None else None, executor=rep.executor,
-                        predicted_bytes=rep.predicted.get("peak_bytes"))
+                        predicted_bytes=rep.predicted.get("peak_bytes"), meter=rep.meter)
 
 
 def _replayed(graph: Graph, start: Plan | None, memory: int) -> Plan | None:

@@ -395,6 +395,36 @@ def test_remat_run_plans_trains_and_reports_measured_against_predicted(tmp_path,
     assert rc == 2 and "another model" in err and "re-plan" in err, err
     assert main(["run", f"{factory}:make"]) == 2
     assert "--plan" in capsys.readouterr().err
+    # a swap plan on the CPU's allocator meter would count the host buffers as device bytes: refused
+    assert main(["run", "--plan", str(plan_path), "--steps", "1", "--meter", "allocator"]) == 2
+    assert "--meter storage" in capsys.readouterr().err
+
+
+def test_remat_run_meters_the_allocator_by_default_when_nothing_swaps(tmp_path, capsys):
+    import re
+    from remat.cli import main
+    from remat.frontends.run import run_meter
+    factory = tmp_path / "mlp.py"
+    factory.write_text(MLP_FACTORY)
+    plan_path = tmp_path / "plan.json"
+    rc = main(["run", f"{factory}:make", "--budget", "0.97x", "--no-swap", "--steps", "2", "--no-progress",
+               "--no-plain", "-o", str(plan_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    # the whole prediction (kernels' scratch included), no storage view beside it, and measured
+    # against it by the allocator's own figure
+    assert "storage meter" not in out, out
+    predicted = re.search(r"measured +peak \S+ \S+ vs predicted (\S+ \S+)", out).group(1)
+    plan_line = re.search(r"predicted peak (\S+ \S+),", out).group(1)
+    assert predicted == plan_line, out
+    assert all(abs(float(e)) <= 2.0 for e in re.findall(r"\(([+-]\d+\.\d)% of predicted\)", out)), out
+    from remat.core.plan import load_plan
+    plan = load_plan(str(plan_path))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [run_meter(plan, m, cpu) for m in ("auto", "allocator", "storage")] == ["allocator", "allocator", "storage"]
+    assert run_meter(plan, "storage", cuda) == "allocator"   # (CUDA has one meter, max_memory_allocated)
+    with pytest.raises(InvalidInputError, match="--meter"):
+        run_meter(plan, "rss", cpu)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.py runs the rest)")
