@@ -387,9 +387,9 @@ class AllocationLog:
                 # a memory profile is freed inside one, as every step's frees of what the step
                 # before it left are: spent here, quietly, on a block of its own
                 from torch.profiler import ProfilerActivity, profile
-                block = torch.empty(1)
+                blocks = [torch.empty(1)]
                 with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
-                    del block
+                    blocks.clear()
                 AllocationLog._warned = True
             self._prof.__enter__()
         return self
