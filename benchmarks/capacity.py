@@ -2,8 +2,8 @@
 
 For each case, one run (`remat.capacity`): the model is traced at two batch sizes (the
 granularity `remat.trace` picks by default unless the case names one), plain autograd and
-``torch.utils.checkpoint`` on every block are measured at those sizes (exact storage accounting
-on the CPU, median of 3 steps) and their peaks extrapolated to the largest batch that fits; remat
+``torch.utils.checkpoint`` on every block are measured at those sizes (the allocator's figure
+on the CPU, kernels' scratch included as the plans count it; median of 3 steps) and their peaks extrapolated to the largest batch that fits; remat
 searches the largest batch per overhead level (no recomputation, <= 1.1x, <= 1.3x, and <= the
 step-time ratio checkpointing measured at its own answer, in turns with plain autograd at that
 batch, so the two are compared at the same overhead).  remat's

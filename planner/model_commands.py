@@ -431,7 +431,7 @@ def run_capacity(args: Any, solver_options: dict, trace_options: dict) -> int:
             print(f"verify     {dim} {v.size}: traced and planned ({v.plan.solver.get('status')}, predicted "
                   f"{format_bytes(pr['peak_bytes'])} at {pr['overhead']:.3f}x); one step measured "
                   f"{format_bytes(v.measured_bytes)} {'<=' if v.fits else '>'} {format_bytes(v.memory)} "
-                  f"({'natively' if v.executor == 'native' else 'by the interpreter'}, the {v.meter}'s meter)")
+                  f"({'natively' if v.executor == 'native' else 'by the interpreter'}, {v.meter} meter)")
     plan = rep.plan()
     if plan is None:
         print(f"no         {dim} fits {format_bytes(args.memory_bytes)}")
