@@ -57,6 +57,20 @@ def test_expanded_coarse_ilp_schedule_fits_and_costs_what_the_coarse_model_says(
     assert res.time <= cs.report["objective"] * (1 + 1e-9)
 
 
+def test_a_coarse_op_list_expands_as_its_stages_do():
+    # the exact solve can answer with the instant IP's proven optimum, an op list without stage
+    # matrices: expansion casts it into stages first (it once logged an error and offered nothing)
+    from remat.core.schedule import Schedule, stages_from_ops
+    g = linear_chain(16)
+    budget = parse_budget("0.5x", g)
+    co = ilp_coarsen.coarsen(g, ilp_coarsen.fit_groups(g, ilp_coarsen.choose_groups(g, 13), budget))
+    cs = ilp.solve(co.graph, budget, swap=False, time_limit=20, threads=1, mode="exact")
+    ops_only = Schedule(list(cs.ops))
+    assert ops_only.stages is None and stages_from_ops(co.graph, ops_only.ops) is not None
+    fine = ilp_coarsen.expand(co, ops_only)
+    assert fits(g, fine, budget).time == pytest.approx(fits(g, ilp_coarsen.expand(co, cs), budget).time)
+
+
 def test_expansion_of_a_swap_schedule_is_valid():
     g = linear_chain(12)
     budget = parse_budget("0.4x", g)

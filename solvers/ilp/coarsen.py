@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from remat.core.analysis import checkmate_layout
 from remat.core.graph import Graph, Node
-from remat.core.schedule import Schedule, Stage
+from remat.core.schedule import Schedule, Stage, stages_from_ops
 
 from .checkmate import minimal_keep, prune_waste
 
@@ -220,16 +220,19 @@ def coarsen(graph: Graph, groups: list[list[int]]) -> Coarsening:
 
 
 def expand(co: Coarsening, coarse: Schedule) -> Schedule:
-    """The fine schedule that coarse stage matrices imply (module docstring, "Expand")."""
-    if coarse.stages is None:
-        raise ValueError("the coarse schedule has no stages")
+    """The fine schedule that coarse stage matrices imply (module docstring, "Expand").  A coarse
+    schedule that is an op list (the instant IP's proven optimum) is cast into stages first
+    (`stages_from_ops`); raises ValueError where it does not cast."""
+    stages = coarse.stages if coarse.stages is not None else stages_from_ops(co.graph, coarse.ops)
+    if stages is None:
+        raise ValueError("the coarse schedule is an op list that does not cast into stages")
     g, groups = co.fine, co.groups
     n = g.n
     R: list[set[int]] = [set() for _ in range(n)]
     SO: list[set[int]] = [set() for _ in range(n)]
     SI: list[set[int]] = [set() for _ in range(n)]
     SF: list[set[int]] = [set() for _ in range(n)]
-    for T, st in enumerate(coarse.stages):
+    for T, st in enumerate(stages):
         first, last = groups[T][0], groups[T][-1]
         for x in st.compute:
             if x != T:

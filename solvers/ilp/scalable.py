@@ -565,7 +565,9 @@ class ScalableSearch:
             else:
                 try:
                     self.offer(expand(co, cs), "coarse ILP")
-                except (AssertionError, ValueError) as e:  # pragma: no cover - a modelling bug
+                except ValueError as e:   # (an op list that does not cast into stages: nothing to offer)
+                    log.info("ilp-scalable: the coarse schedule does not expand: %s", e)
+                except AssertionError as e:  # pragma: no cover - a modelling bug
                     log.error("ilp-scalable: could not expand the coarse schedule: %s", e)
             if follow or co.graph.n >= min(graph.n, COARSE_MAX):
                 break
