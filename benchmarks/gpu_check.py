@@ -67,9 +67,10 @@ def checkpoint_blocks(model: nn.Module, graph: remat.Graph) -> nn.Module:
 
 
 def time_steps(model: nn.Module, example: tuple, device: torch.device, steps: int,
-               set_to_none: bool = False, loss_fn=default_loss) -> tuple[float, int]:
+               set_to_none: bool = False, loss_fn=default_loss, meter: str = "storage") -> tuple[float, int]:
     """(median step seconds, peak bytes) of plain training steps of `model`, its gradients zeroed
-    with ``zero_grad(set_to_none)``; the loss ``loss_fn(model(...), *batch)`` (`step_loss`)."""
+    with ``zero_grad(set_to_none)``; the loss ``loss_fn(model(...), *batch)`` (`step_loss`);
+    `meter`: `remat.measure`'s, on a CPU."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     times, peak = [], 0
@@ -78,7 +79,7 @@ def time_steps(model: nn.Module, example: tuple, device: torch.device, steps: in
         opt.zero_grad(set_to_none=set_to_none)
         m = remat.measure(lambda: step_loss(model, loss_fn, batch).backward(), device,
                           resident=list(model.parameters()) + list(model.buffers()) + list(batch)
-                          + [p.grad for p in model.parameters() if p.grad is not None])
+                          + [p.grad for p in model.parameters() if p.grad is not None], meter=meter)
         opt.step()
         if k:
             times.append(m.time)

@@ -7,7 +7,8 @@ For each case: plain autograd, `torch.utils.checkpoint` (non-reentrant) on every
 the peak checkpoint-every-block measured, and the smallest one the planner finds (what
 `remat.plan` names when asked for what every schedule must hold, `analysis.forced_need`, or where
 it finds no plan in the time limit there, the smallest of a few bisected budgets that it plans).  Peaks: one
-step of each variant after a warm-up (`remat.measure`: exact storage accounting on the CPU); times:
+step of each variant after a warm-up (`remat.measure(..., meter="allocator")`: the allocator's
+figure, kernels' scratch included as the plans count it, as CUDA's ``max_memory_allocated``); times:
 the median of `--steps` steps, the variants taking turns step by step after a warm-up round
 (`csvout.time_in_turns`: this machine's speed drifts by tens of percent over minutes); gradients
 set to None between steps.
@@ -89,8 +90,8 @@ def run_case(case: str, steps: int, time_limit: float, granularity: str = "modul
     model, example = zoo.get(name, **kw)
     example = example if isinstance(example, tuple) else (example,)
     dev = torch.device("cpu")
-    plain_peak = time_steps(model, example, dev, 1, set_to_none=True)[1]
-    ckpt_peak = time_steps(checkpoint_every_block(model), example, dev, 1, set_to_none=True)[1]
+    plain_peak = time_steps(model, example, dev, 1, set_to_none=True, meter="allocator")[1]
+    ckpt_peak = time_steps(checkpoint_every_block(model), example, dev, 1, set_to_none=True, meter="allocator")[1]
     native = executor == "native"   # (the model's own code: module calls recomputed whole, at depth auto)
     graph = remat.trace(model, example, depth="auto" if native else depth, name=case, granularity=granularity)
     row = {"case": case, "granularity": granularity + (" native" if native else ""), "nodes": graph.n,
@@ -102,7 +103,7 @@ def run_case(case: str, steps: int, time_limit: float, granularity: str = "modul
         plans = {"at_ckpt": tightest_plan(graph, plain_peak, time_limit, **opts)}
     plans["tightest"] = tightest_plan(graph, ckpt_peak, time_limit, **opts)
     for key, plan in plans.items():
-        rep = run_plan(copy.deepcopy(model), example, plan, steps=1, plain=False, executor=executor)
+        rep = run_plan(copy.deepcopy(model), example, plan, steps=1, plain=False, executor=executor, meter="allocator")
         row[f"{key}_peak"] = rep.peak_bytes
         row[f"{key}_predicted_peak"] = rep.predicted["peak_bytes"]
         if key == "at_ckpt":
