@@ -63,15 +63,16 @@ def run_meter(plan: Plan, meter: str, device: torch.device) -> str:
     unless the plan swaps.  Raises `InvalidInputError` for an unknown meter and for the CPU's
     allocator on a plan that swaps (its host buffers would count as device bytes)."""
     if meter not in RUN_METERS:
-        raise InvalidInputError(f"--meter: expected one of {', '.join(RUN_METERS)}, got {meter!r}")
+        raise InvalidInputError(f"meter: expected one of {', '.join(RUN_METERS)}, got {meter!r}")
     if device.type == "cuda":
         return "allocator"
     swaps = plan.predicted.get("host_peak_bytes", 0) > 0
     if meter == "auto":
         return "storage" if swaps else "allocator"
     if meter == "allocator" and swaps:
-        raise InvalidInputError("--meter allocator: the plan swaps, and on a CPU the allocator counts its host "
-                                "buffers as device bytes; use --meter storage (or plan with --no-swap)")
+        raise InvalidInputError("meter 'allocator': the plan swaps, and on a CPU the allocator counts its host "
+                                "buffers as device bytes; meter the storage accounting (meter='storage'; on the "
+                                "command line --meter storage), or plan without swap")
     return meter
 
 

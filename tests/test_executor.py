@@ -423,7 +423,7 @@ def test_remat_run_meters_the_allocator_by_default_when_nothing_swaps(tmp_path, 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert [run_meter(plan, m, cpu) for m in ("auto", "allocator", "storage")] == ["allocator", "allocator", "storage"]
     assert run_meter(plan, "storage", cuda) == "allocator"   # (CUDA has one meter, max_memory_allocated)
-    with pytest.raises(InvalidInputError, match="--meter"):
+    with pytest.raises(InvalidInputError, match="meter: expected one of"):
         run_meter(plan, "rss", cpu)
 
 

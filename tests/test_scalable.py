@@ -270,25 +270,6 @@ def test_time_limit_is_honoured_and_progress_reports_incumbent_bound_gap():
     assert incs == sorted(incs, reverse=True)
 
 
-def test_with_no_baseline_and_no_coarse_schedule_the_exact_ilp_runs_in_the_time_left(monkeypatch):
-    # the zoo GPT-2's joint graph at 62 MiB: no baseline fits (an op's tensors planned together),
-    # the coarse ILP gives none, and the search gave up within a second of its 120 s; the exact
-    # ILP plans it.  Here nothing but the exact ILP is let find a schedule
-    monkeypatch.setattr(scalable, "BASELINES", ())
-    for step in ("coarse", "shift_search", "neighbourhoods"):
-        monkeypatch.setattr(scalable.ScalableSearch, step, lambda self: None)
-    g = linear_chain(10)
-    budget = parse_budget("0.5x", g)
-    sched = ilp.solve(g, budget, swap=False, time_limit=10, threads=1, mode="scalable", use_instant_ip=False)
-    assert sched.report["incumbent_from"] == "exact ILP"
-    want = ilp.solve(g, budget, swap=False, time_limit=30, threads=1, mode="exact")
-    assert fits(g, sched, budget).time == pytest.approx(want.report["objective"])
-    # without the time for it, the one-line error as before
-    monkeypatch.setattr(scalable, "EXACT_FALLBACK_MIN_S", 1e9)
-    with pytest.raises(SolverError, match="raise --time-limit"):
-        ilp.solve(g, budget, swap=False, time_limit=10, threads=1, mode="scalable", use_instant_ip=False)
-
-
 def test_a_coarse_ilp_that_overruns_to_the_watchdog_still_ends_within_the_time_limit(monkeypatch):
     # CBC can ignore its limit in a root LP until the watchdog interrupts it (limit * 1.1 + grace)
     # and then kills it: the coarse solve's limit leaves room for that inside the call's (U-Net d3

@@ -113,7 +113,6 @@ WORKER_MAX_VARS = 60_000  # the worker's instant IP may be larger: it has nearly
 # prediction fits the time they are given
 BUILD_S_PER_UNIT = 1.5e-4
 LP_S_PER_UNIT = 3.5e-4
-EXACT_FALLBACK_MIN_S = 5.0   # seconds left for the exact ILP when nothing else found a schedule
 
 # the baselines of step 0, in the order they are offered
 BASELINES = ("lookahead", "dtr-eq", "dtr", "dtr-msps", "dtr-local", "checkpoint-all", "griewank", "chen-sqrtn",
@@ -232,7 +231,6 @@ class ScalableSearch:
         self.coarse()
         lp_model = self.lp_bound()
         self.refine(lp_model)
-        self.exact_fallback()
         self.wait_for_worker()
         return self.result()
 
@@ -655,31 +653,6 @@ class ScalableSearch:
             except SolverError as e:
                 log.info("ilp-scalable: refinement failed (%s)", e)
 
-    def exact_fallback(self) -> None:
-        """With no schedule yet (no baseline fits, the coarse ILP gave none: the refinements need
-        an incumbent) and the time left to build the whole model (`BUILD_S_PER_UNIT`), the exact
-        ILP on the fine graph for the rest of the time.  A joint graph can have schedules below
-        every baseline's reach: the baselines plan an op's tensors as one node (the zoo GPT-2's
-        attention dropout with 20 MiB of scratch), and the coarse runs are larger atoms still."""
-        left = self.left()
-        if self.best is not None or (left is not None and left < max(EXACT_FALLBACK_MIN_S,
-                                                                      BUILD_S_PER_UNIT * self.units)):
-            return
-        log.info("ilp-scalable: no schedule yet; the exact ILP on the whole graph (%s s left)",
-                 "unlimited" if left is None else f"{left:.0f}")
-        self.tell("exact")
-        try:
-            sched = exact.solve(self.graph, self.budget, swap=self.swap, time_limit=left, gap=self.gap,
-                                threads=self.threads, backend=self.backend, bandwidth=self.bandwidth,
-                                recompute_backward=self.recompute_backward, msg=self.msg,
-                                use_instant_ip=self.use_instant_ip)
-        except (SolverError, InfeasibleBudgetError) as e:
-            log.info("ilp-scalable: the exact ILP gave no schedule either (%s)", e)
-            return
-        self.offer(sched, "exact ILP")
-        if sched.report.get("lower_bound") is not None:
-            self.raise_bound(sched.report["lower_bound"], "exact ilp")
-
     # ---- the end -----------------------------------------------------------------------------
     def wait_for_worker(self) -> None:
         """The worker's last word (its time limit ends with ours), or its interim bound."""
@@ -694,8 +667,8 @@ class ScalableSearch:
 
     def result(self) -> Schedule:
         if self.best is None:
-            raise SolverError(f"ilp-scalable found no schedule within {self.limit} s (no baseline fits, the "
-                              "coarse ILP gave none and the exact ILP none in the time left); raise --time-limit")
+            raise SolverError(f"ilp-scalable found no schedule within {self.limit} s (no baseline fits and the "
+                              "coarse ILP gave none); raise --time-limit or use the exact ILP")
         if self.bound > self.best_time:  # float noise
             self.bound = self.best_time
         g_ = gap_of(self.best_time, self.bound)
