@@ -271,8 +271,7 @@ def test_cold_factors_pair_a_run_after_a_cache_flush_with_one_at_once(monkeypatc
         events.append(("flush", t.numel()))
         return real_zero(t)
     monkeypatch.setattr(torch.Tensor, "zero_", zero_)
-    # run k's first run after each flush takes 3 ticks, the next one 1: factor 3
-    ticks = {0: 3.0, 1: 1.0}
+    cold, warm = 3.0, 1.0   # ticks a unit of run: right after a flush, and again at once (factor 3)
 
     class FakeTimer:
         def __init__(self, device):
@@ -291,7 +290,7 @@ def test_cold_factors_pair_a_run_after_a_cache_flush_with_one_at_once(monkeypatc
         def run(k=k):
             after_flush = events[-1][0] == "flush"
             events.append(("run", k))
-            timer.t += ticks[0] * (k + 1) if after_flush else ticks[1] * (k + 1)
+            timer.t += (cold if after_flush else warm) * (k + 1)
         runs.append(run)
     out = profile.cold_factors(runs, torch.device("cpu"), repeats=4)
     # one factor per run: the median of 4 pairs, each a run right after a flush of the cache's
