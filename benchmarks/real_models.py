@@ -2,7 +2,8 @@
 
 For each case, in one run, each variant on a fresh copy of the model with the same seed and
 batches, gradients set to None between steps (PyTorch's default loop), every peak measured by one
-meter (`remat.measure`: the exact storage accounting on the CPU, one step after a warm-up) and
+meter (`remat.measure(..., meter="allocator")`: the CPU allocator's own peak, kernels' scratch
+included, one step after a warm-up) and
 every time the median of ``--steps`` steps taken at the end, the variants taking turns step by
 step after a warm-up round (`csvout.time_in_turns`: this machine's speed drifts by tens of
 percent over minutes, so variants timed minutes apart are not comparable):
@@ -65,9 +66,9 @@ def run_case(case: str, budgets: list[float], steps: int, time_limit: float, tig
     dev = torch.device("cpu")
     mib = 2 ** 20
     # peaks: one metered step after a warm-up per variant; times: all variants in turns at the end
-    plain_peak = time_steps(model, example, dev, 1, set_to_none=True, loss_fn=loss_fn)[1]
+    plain_peak = time_steps(model, example, dev, 1, set_to_none=True, loss_fn=loss_fn, meter="allocator")[1]
     ckpt_peak = time_steps(checkpoint_every_block(copy.deepcopy(model)), example, dev, 1, set_to_none=True,
-                           loss_fn=loss_fn)[1]
+                           loss_fn=loss_fn, meter="allocator")[1]
     rows = [{"case": case, "variant": "plain", "measured_peak": plain_peak, "peak_over_plain": 1.0,
              "measured_overhead": 1.0},
             {"case": case, "variant": "checkpoint every block", "measured_peak": ckpt_peak,
@@ -104,7 +105,8 @@ def run_case(case: str, budgets: list[float], steps: int, time_limit: float, tig
             continue
         plan_s = time.perf_counter() - t0
         budget = plan.budget_bytes if budget is None else budget
-        rep = run_plan(copy.deepcopy(model), example, plan, steps=1, plain=False, loss_fn=loss_fn)
+        rep = run_plan(copy.deepcopy(model), example, plan, steps=1, plain=False, loss_fn=loss_fn,
+                       meter="allocator")
         pred = plan.predicted["peak_bytes"]
         row = {"case": case, "variant": f"remat {label}", "granularity": gran, "nodes": graph.n, "budget": budget,
                "predicted_peak": pred, "measured_peak": rep.peak_bytes,
