@@ -22,7 +22,9 @@ seed before every step), in PyTorch's default loop (gradients set to None betwee
   compile row of that backend, and ``@1x`` (nothing recomputed); its gradients are compared with
   that backend's budget-1 row too;
 * ``remat@VARIANT``: remat planned (`remat.trace` defaults unless the case names a granularity;
-  the ILP without swap) at the peak VARIANT measured, for every peer, applied with `remat.apply`.
+  the ILP without swap) at the peak VARIANT measured, for every peer, applied with
+  ``remat.apply(..., executor="auto")`` (a plan that recomputes nothing runs as plain autograd
+  where the plain step the trace measured fits; the note names the execution).
 
 For each: the peak (one meter for all: on the CPU the allocator's own events,
 ``remat.measure(meter="allocator")``, which see inside compiled code and kernels' scratch
@@ -327,10 +329,11 @@ def main(argv=None) -> int:
         except RematError as e:
             print(f"remat@{peer['variant']}: {e}", flush=True)
             continue
-        planned = remat.apply(m, plan, example, loss_fn)
+        planned = remat.apply(m, plan, example, loss_fn, executor="auto")
+        predicted = planned.predicted if hasattr(planned, "predicted") else plan.predicted
         record(f"remat@{peer['variant']}", "remat", m, lambda batch, planned=planned: planned(*batch),
-               note=f"{plan.solver.get('status')}, predicted {plan.predicted['overhead']:.3f}x",
-               predicted=plan.predicted["peak_bytes"])
+               note=f"{plan.solver.get('status')}, predicted {predicted['overhead']:.3f}x, {type(planned).__name__}",
+               predicted=predicted["peak_bytes"])
     m = copy.deepcopy(base)
     record("plain (again)", "plain", m, eager(m), note="a fresh copy against the first: the timing's noise")
     out = args.output or f"benchmarks/results/peers-{args.case}.csv"

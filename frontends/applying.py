@@ -4,8 +4,10 @@
 replays the captured ATen ops of each node inside one autograd function (``loss =
 planned(*inputs)``): a joint forward+backward graph's plan runs in `joint_executor`, every other
 (module, op-stages) in `executor`; both build on `runtime`.  ``executor="native"``: the model
-itself follows a module-level plan in the user's own loop (`native`); ``"auto"``: native where
-the plan can run so within its budget, else the interpreter, with a line saying why.
+itself follows a module-level plan in the user's own loop (`native`); ``"auto"``: the model as plain autograd
+where the plan asks nothing of the step and plain autograd's measured peak fits its budget
+(`PlainExecution`, `remat.core.plain`), else native where the plan can run so within its budget,
+else the interpreter, with a line saying why.
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ import logging
 
 from remat.core import native
 from remat.core.errors import InvalidInputError
+from remat.core.plain import plain_obstacle, plain_prediction
 
 from .executor import PlannedStep
+from .base import default_loss, step_loss
 from .joint_executor import PlannedJointStep, apply_joint
 from .native import NativeExecution
 from .runtime import PlannedBase
@@ -44,12 +48,19 @@ def apply(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any = None
     (``out = model(*inputs); loss = loss_fn(out, ...); loss.backward()`` unchanged); returns the
     `NativeExecution` (``remove()`` takes the hooks off; calling it runs ``loss_fn(model(*inputs),
     *inputs)``, like the interpreter's module).  Raises `InvalidInputError` for a plan outside the
-    native class (`remat.core.native`).  ``"auto"``: native when the plan, kept to the native
-    class, fits its budget, else the interpreter."""
+    native class (`remat.core.native`).  ``"auto"``: `PlainExecution` (the model unchanged) when the
+    plan computes every node once, swaps nothing and plain autograd's traced peak fits its budget;
+    else native when the plan, kept to the native class, fits its budget; else the interpreter."""
     if executor not in EXECUTORS:
         raise InvalidInputError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
+    if executor == "auto":
+        why = plain_obstacle(plan.graph, plan.schedule, plan.budget_bytes)
+        if why is None:
+            log.info("remat.apply: the plan asks nothing of the step and plain autograd's measured peak fits its "
+                     "budget: the model runs as it is")
+            return PlainExecution(model, plan, loss_fn)
     if executor != "interpreter":
         why = native_refusal(plan)
         if why is None or executor == "native":
@@ -58,6 +69,25 @@ def apply(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any = None
     if plan.graph.meta.get("granularity") == "joint":  # one node per op of the joint fwd+bwd graph
         return apply_joint(model, plan, example_inputs, loss_fn, example_kwargs=example_kwargs)
     return PlannedStep(model, plan, example_inputs, loss_fn, example_kwargs)
+
+
+class PlainExecution:
+    """A plan in the plain class (`remat.core.plain`) run as the model's own plain autograd: nothing
+    is installed on `model`, the user's loop is unchanged, and calling it runs ``loss_fn(model(*inputs),
+    *inputs)`` (like the interpreter's module).  `predicted`: `plain_prediction` (the plain step
+    the trace measured)."""
+    host_peak_bytes = 0
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, loss_fn: Callable | None = None):
+        self.model, self.plan = model, plan
+        self.loss_fn = loss_fn or default_loss
+        self.predicted = plain_prediction(plan.graph, plan.schedule)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return step_loss(self.model, self.loss_fn, args, kwargs, self.plan.graph.meta.get("model_inputs"))
+
+    def remove(self) -> None:
+        """Nothing to take off (the same call as `NativeExecution.remove`)."""
 
 
 def native_refusal(plan: Plan) -> str | None:
@@ -76,4 +106,4 @@ def native_refusal(plan: Plan) -> str | None:
     return None
 
 
-__all__ = ["apply", "native_refusal", "PlannedStep", "PlannedJointStep", "NativeExecution", "EXECUTORS"]
+__all__ = ["apply", "native_refusal", "PlannedStep", "PlannedJointStep", "NativeExecution", "PlainExecution", "EXECUTORS"]

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.core.errors import InvalidInputError
 from remat.core.graph import DEFAULT_BANDWIDTH, Graph, Node
 
-from .measuring import LibraryWorkspaces, measure_peak, unique_bytes
+from .measuring import LibraryWorkspaces, measure, measure_peak, unique_bytes
 from .profile import FlopsModel
 
 log = logging.getLogger(__name__)
@@ -422,6 +422,8 @@ def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
                     "measured nor counted at the step's end", ctx.optimizer)
         ctx.notes.append(f"optimizer {ctx.optimizer}: the step's transient not measured (no torch.optim class)")
     nodes, edges, meta = frontend.assemble(ctx)
+    ctx.state.clear()   # (what capture and profiling hold is no part of the plain step on a device)
+    plain_step = measured_plain_step(ctx)
     one = rng_state_bytes(dev)
     rng = one * len(meta.get("rng_nodes") or [])
     if rng:   # the executors keep a random node's generator state from its first run to the step's
@@ -436,13 +438,52 @@ def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
                     ctx.loss_fn, ctx.optimizer, breakdown),
         "granularity": frontend.granularity, "grads": ctx.grads,
         **({"model_inputs": ctx.model_inputs} if ctx.model_inputs is not None else {}),
-        **({"optimizer_step_bytes": step_bytes} if step_bytes else {}), **meta})
+        **({"optimizer_step_bytes": step_bytes} if step_bytes else {}),
+        **({"plain_step": plain_step} if plain_step else {}), **meta})
     total = time.perf_counter() - t_start
     graph.meta["trace_seconds"] = {"capture": round(t_capture, 4), "profile": round(t_profile, 4),
                                    "total": round(total, 4)}
     log.info("traced %s (%s): %d nodes, fixed %d bytes, %.2f s (profiling %.2f s)", ctx.name, frontend.granularity,
              graph.n, fixed, total, t_profile)
     return graph
+
+
+def measured_plain_step(ctx: TraceContext) -> dict | None:
+    """One plain training step of the traced model measured as `remat run` meters a plan's
+    (``meta["plain_step"]``, what `remat.core.plain` predicts a plain plan by): its peak on the
+    allocator's meter (``peak_bytes``) and on the storage accounting (``storage_peak_bytes``),
+    each one step with the gradients set to None before it, at the traced inputs (``input_shapes``).
+    Only for a measured profile in PyTorch's default loop (no optimizer named, gradients
+    accumulated from None): None otherwise, or when the step fails (then logged).  The model's
+    gradients, buffers (BatchNorm's running statistics) and the RNG state are left as they were."""
+    if ctx.profile != "measure" or ctx.optimizer is not None or ctx.grads != "accumulated":
+        return None
+    model = ctx.model
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    resident = params + list(model.buffers()) + tree_flatten((ctx.args, ctx.kwargs))[0]
+
+    def step() -> None:
+        step_loss(model, ctx.loss_fn, ctx.args, ctx.kwargs, ctx.model_inputs).backward()
+    peaks = {}
+    snapshot = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=ctx.rng_devices):
+            for key, meter in (("peak_bytes", "allocator"), ("storage_peak_bytes", "storage")):
+                for p in params:
+                    p.grad = None
+                peaks[key] = measure(step, ctx.device, resident=resident, meter=meter).peak_bytes
+    except Exception as e:   # (the trace itself ran the model: a failure here only loses the figure)
+        log.info("the plain step was not measured: %s: %s", type(e).__name__, e)
+        return None
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in snapshot:
+                b.copy_(saved)
+    shapes = [list(t.shape) for t in tree_flatten((ctx.args, ctx.kwargs))[0] if isinstance(t, torch.Tensor)]
+    return {**peaks, "input_shapes": shapes}
 
 
 def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | None = None) -> tuple[int, int]:

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.core.errors import InvalidInputError
 from remat.core.plan import Plan
 
-from .applying import apply
+from .applying import PlainExecution, apply
 from .native import NativeExecution
 from .measuring import Measurement, measure
 from .base import default_loss, make_optimizer, optimizer_tensors, split_inputs, step_loss
@@ -94,7 +94,7 @@ class RunReport:
     host_peak_bytes: int = 0
     executor: str = "interpreter"
     meter: str = "storage"   # the CPU's meter that measured the steps (`run_meter`)
-    # what the executor that ran predicts (the plan's own figures; natively, `NativeExecution.predicted`)
+    # what the executor that ran predicts (the plan's own figures; natively or run plain, the execution's `predicted`)
     predicted: dict = field(default_factory=dict)
 
     @property
@@ -163,6 +163,7 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
     planned = apply(model, plan, tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, args), loss_fn,
                     executor=executor)
     native = isinstance(planned, NativeExecution)
+    own_prediction = native or isinstance(planned, PlainExecution)   # (else the plan's own figures)
     # batches are drawn from host templates: a device copy of the example would stay resident
     # beside each batch, one batch more than the plan counts
     args = tree_map(lambda x: x.detach().to("cpu") if isinstance(x, torch.Tensor) else x, args)
@@ -172,8 +173,8 @@ def run_plan(model: torch.nn.Module, example_inputs: Any, plan: Plan, *, steps: 
     opt = make_optimizer(named, model.parameters(), lr) if named else torch.optim.SGD(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    report = RunReport(plan, str(dev), executor="native" if native else "interpreter",
-                       predicted=dict(planned.predicted) if native else dict(plan.predicted), meter=meter)
+    report = RunReport(plan, str(dev), executor=("native" if native else "plain" if own_prediction else "interpreter"),
+                       predicted=dict(planned.predicted) if own_prediction else dict(plan.predicted), meter=meter)
     to_none = gradients_to_none(plan)
 
     def fixed(batch: tuple) -> list:

@@ -247,8 +247,9 @@ def verify_size(make: Callable, size: int, dim: str, memory: int, trace_options:
                 **plan_options: Any) -> Verification:
     """Trace at `size`, plan within `memory`, run `steps` planned steps and measure their peak
     (and, with more than one step on a CPU, as many plain autograd steps for the time ratio).
-    The steps run as a user would run the plan: natively where it fits that way
-    (``executor="auto"``, `remat.apply`), else by the interpreter.
+    The steps run as a user would run the plan (``executor="auto"``, `remat.apply`): as plain
+    autograd where it asks nothing of the step and the plain step measured at that size fits,
+    natively where it fits that way, else by the interpreter.
     `start`, the search's plan at that size (made on the scaled graph), runs instead of the fresh
     plan when the traced graph has the same nodes, its schedule fits the memory there too and the
     simulator says it is faster (a solver's time limit can give the fresh plan a worse schedule)."""

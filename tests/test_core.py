@@ -281,3 +281,26 @@ def test_the_storage_view_leaves_out_kernel_scratch_and_saved_generator_states()
     assert plan.storage_peak_bytes == 950 + 100 + 10 == simulate(view, sched).peak_bytes
     plain = Graph([Node(0, "f", "forward", 1.0, 100, 40), nodes[1]], [(0, 1)], fixed_bytes=5)
     assert storage_view(plain) is plain
+
+
+# ---- the plain class: plans run as the model's own autograd -----------------------------------
+def test_plain_obstacle_names_what_keeps_a_plan_from_running_as_plain_autograd():
+    import remat as api
+    from remat.core.plain import plain_obstacle, plain_prediction
+    g = linear_chain(4)
+    keep = api.plan(g, "1.0x", solver="checkpoint-all").schedule
+    budget = api.plan(g, "1.0x", solver="checkpoint-all").predicted["peak_bytes"]
+    assert "measured no plain step" in plain_obstacle(g, keep, budget)
+    g.meta["input_shapes"] = [[8, 16]]
+    g.meta["plain_step"] = {"peak_bytes": budget, "storage_peak_bytes": budget - 4, "input_shapes": [[8, 16]]}
+    assert plain_obstacle(g, keep, budget) is None
+    assert "over the budget" in plain_obstacle(g, keep, budget - 1)
+    pred = plain_prediction(g, keep)
+    assert (pred["peak_bytes"], pred["storage_peak_bytes"], pred["host_peak_bytes"]) == (budget, budget - 4, 0)
+    assert pred["overhead"] == pytest.approx(1.0)
+    last = api.plan(g, "1.0x", solver="checkpoint-last-node").schedule   # recomputes the chain
+    assert plain_obstacle(g, last, budget).startswith("it recomputes")
+    swapped = Schedule(keep.ops[:1] + [Op("swap_out", keep.ops[0].node)] + keep.ops[1:])
+    assert plain_obstacle(g, swapped, budget).startswith("it swaps")
+    g.meta["input_shapes"] = [[16, 16]]   # (a graph of a family scaled to another batch keeps the meta)
+    assert "other input shapes" in plain_obstacle(g, keep, budget)

@@ -21,7 +21,8 @@ from remat.frontends import default_loss, measure_peak, zoo  # noqa: E402
 from remat.frontends.capture import CaptureError  # noqa: E402
 from remat.frontends import apply  # noqa: E402
 from remat.frontends.joint_executor import PlannedJointStep  # noqa: E402
-from remat.frontends.run import gradients_to_none  # noqa: E402
+from remat.frontends.applying import PlainExecution  # noqa: E402
+from remat.frontends.run import gradients_to_none, run_plan  # noqa: E402
 from remat.core.plan import Plan  # noqa: E402
 from remat.core.schedule import Op, Schedule  # noqa: E402
 from remat.solvers.ilp import min_feasible_budget  # noqa: E402
@@ -228,6 +229,37 @@ def test_measured_peak_is_the_predicted_peak(planned):
         assert step.host_peak_bytes == plan.predicted["host_peak_bytes"], (name, budget)
     assert any(o.op == "swap_out" for o in plans["swap"].schedule.ops), name
     assert plans["swap"].predicted["host_peak_bytes"] > 0, name
+
+
+def test_a_plan_that_asks_nothing_runs_as_plain_autograd_where_plains_measured_peak_fits():
+    """``executor="auto"`` on a plan that computes every node once and swaps nothing, at a budget
+    that plain autograd's measured peak fits: the model runs unchanged (`PlainExecution`), predicted
+    by the plain step the trace measured, on both meters (here below the plan's own peak: plain
+    autograd keeps no generator states for recomputations).  A plan that recomputes, a budget
+    below plain's measured peak (the zoo GPT-2: eager's CPU dropout keeps float masks where the
+    joint graph keeps bool ones) and the interpreter asked for by name run the plan's own code."""
+    model, inputs = _mlp()
+    model.train()
+    graph = remat.trace(model, inputs, granularity="joint", profile="measure")
+    measured = graph.meta["plain_step"]
+    assert measured["input_shapes"] == [list(inputs[0].shape)]
+    keep_all = remat.plan(graph, "1.0x", solver="checkpoint-all", swap=False)
+    assert measured["peak_bytes"] < keep_all.predicted["peak_bytes"]
+    assert isinstance(apply(copy.deepcopy(model), keep_all, inputs, executor="auto"), PlainExecution)
+    for meter, key in (("allocator", "peak_bytes"), ("storage", "storage_peak_bytes")):
+        rep = run_plan(copy.deepcopy(model), inputs, keep_all, steps=2, executor="auto", meter=meter)
+        assert rep.executor == "plain" and rep.predicted["peak_bytes"] == measured[key], meter
+        assert abs(rep.peak_bytes - measured[key]) <= 0.001 * measured[key], (meter, rep.peak_bytes, measured)
+        assert max(m.peak_bytes for m in rep.plain_steps) == rep.peak_bytes, meter
+    assert isinstance(apply(copy.deepcopy(model), keep_all, inputs), PlannedJointStep)   # (asked for by name)
+    recomputes = remat.plan(graph, "1.0x", solver="checkpoint-last-node", swap=False)
+    assert isinstance(apply(copy.deepcopy(model), recomputes, inputs, executor="auto"), PlannedJointStep)
+    gpt, x = zoo.get("gpt2", n_layer=1, seq_len=32, batch=2)
+    x = x if isinstance(x, tuple) else (x,)
+    graph = remat.trace(gpt, x, granularity="joint", profile="measure")
+    keep_all = remat.plan(graph, "1.0x", solver="checkpoint-all", swap=False)
+    assert keep_all.predicted["peak_bytes"] < graph.meta["plain_step"]["peak_bytes"]
+    assert isinstance(apply(copy.deepcopy(gpt), keep_all, x, executor="auto"), PlannedJointStep)
 
 
 def test_straight_line_code_runs_what_the_interpreter_runs(planned):
