@@ -459,8 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "plan's devices; gloo on the CPU, NCCL with --device cuda)")
     p.add_argument("--executor", choices=("interpreter", "native", "auto"), default="interpreter",
                    help="how the plan runs: interpreter (the captured ops replayed, the default), native (the "
-                   "model's own code with hooks; with --budget it plans for it), auto (native when the plan fits "
-                   "that way)")
+                   "model's own code with hooks; with --budget it plans for it), auto (plain autograd when the plan "
+                   "recomputes and swaps nothing and the plain step the trace measured fits the budget, else native "
+                   "when the plan fits that way)")
     p.add_argument("--meter", choices=("auto", "allocator", "storage"), default="auto",
                    help="on a CPU, how peaks are measured: allocator (the allocator's own figure, kernels' scratch "
                    "included, as CUDA's max_memory_allocated), storage (tensor storages only, against the "

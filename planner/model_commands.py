@@ -25,6 +25,7 @@ from remat.core.graph import file_format
 
 log = logging.getLogger(__name__)
 
+RAN_BY = {"native": "natively", "plain": "as plain autograd", "interpreter": "by the interpreter"}
 FORMS = "a zoo model ({zoo}), path/to/file.py:FACTORY or package.module:FACTORY"
 
 
@@ -193,7 +194,12 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
             print(f"wrote      {args.output}")
     pr, s = p.predicted, p.solver
     executor = getattr(args, "executor", "interpreter")
-    if executor != "interpreter":  # what runs natively is what that execution predicts (`NativeExecution`)
+    from remat.core.plain import plain_obstacle, plain_prediction
+    if executor == "auto" and plain_obstacle(p.graph, p.schedule, p.budget_bytes) is None:
+        pr = {**pr, **plain_prediction(p.graph, p.schedule)}   # (what runs is the traced plain step)
+        print("executor   plain autograd (the plan asks nothing of the step; the plain step the trace measured "
+              "fits the budget)")
+    elif executor != "interpreter":  # what runs natively is what that execution predicts (`NativeExecution`)
         from remat.frontends.applying import native_refusal
         why = native_refusal(p)
         if why is None or executor == "native":
@@ -431,7 +437,7 @@ def run_capacity(args: Any, solver_options: dict, trace_options: dict) -> int:
             print(f"verify     {dim} {v.size}: traced and planned ({v.plan.solver.get('status')}, predicted "
                   f"{format_bytes(pr['peak_bytes'])} at {pr['overhead']:.3f}x); one step measured "
                   f"{format_bytes(v.measured_bytes)} {'<=' if v.fits else '>'} {format_bytes(v.memory)} "
-                  f"({'natively' if v.executor == 'native' else 'by the interpreter'}, {v.meter} meter)")
+                  f"({RAN_BY.get(v.executor, 'by the interpreter')}, {v.meter} meter)")
     plan = rep.plan()
     if plan is None:
         print(f"no         {dim} fits {format_bytes(args.memory_bytes)}")

@@ -427,6 +427,24 @@ def test_remat_run_meters_the_allocator_by_default_when_nothing_swaps(tmp_path, 
         run_meter(plan, "rss", cpu)
 
 
+def test_remat_run_auto_runs_a_plan_that_asks_nothing_as_plain_autograd(tmp_path, capsys):
+    """``remat run --executor auto`` at a budget the traced plain step fits, for a plan that
+    recomputes nothing: it says it runs plain autograd, predicts the traced plain step's peak and
+    measures it (the allocator's figure)."""
+    import re
+    from remat.cli import main
+    factory = tmp_path / "mlp.py"
+    factory.write_text(MLP_FACTORY)
+    rc = main(["run", f"{factory}:make", "--budget", "1.2x", "--no-swap", "--steps", "2", "--no-progress",
+               "--executor", "auto", "--granularity", "joint"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "executor   plain autograd" in out, out
+    assert all(abs(float(e)) <= 0.1 for e in re.findall(r"\(([+-]\d+\.\d)% of predicted\)", out)), out
+    plain = re.search(r"plain +autograd steps: peak ([\d.]+ \w+)", out).group(1)
+    assert plain == re.search(r"measured +peak ([\d.]+ \w+) vs", out).group(1), out
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.py runs the rest)")
 @pytest.mark.parametrize("solver", ["ilp", "tflms"])
 def test_cuda_swap_plan_matches_autograd_and_max_memory_allocated(solver):
