@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -448,6 +449,24 @@ def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
     return graph
 
 
+@contextmanager
+def step_state_kept(model: torch.nn.Module, device: torch.device):
+    """Around plain training steps run to measure them: afterwards the parameters' gradients,
+    the model's buffers (BatchNorm's running statistics) and the RNG states are as before."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
 def measured_plain_step(ctx: TraceContext) -> dict | None:
     """One plain training step of the traced model measured as `remat run` meters a plan's
     (``meta["plain_step"]``, what `remat.core.plain` predicts a plain plan by): its peak on the
@@ -460,15 +479,13 @@ def measured_plain_step(ctx: TraceContext) -> dict | None:
         return None
     model = ctx.model
     params = list(model.parameters())
-    grads = [p.grad for p in params]
     resident = params + list(model.buffers()) + tree_flatten((ctx.args, ctx.kwargs))[0]
 
     def step() -> None:
         step_loss(model, ctx.loss_fn, ctx.args, ctx.kwargs, ctx.model_inputs).backward()
     peaks = {}
-    snapshot = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        with torch.random.fork_rng(devices=ctx.rng_devices):
+        with step_state_kept(model, ctx.device):
             for key, meter in (("peak_bytes", "allocator"), ("storage_peak_bytes", "storage")):
                 for p in params:
                     p.grad = None
@@ -476,12 +493,6 @@ def measured_plain_step(ctx: TraceContext) -> dict | None:
     except Exception as e:   # (the trace itself ran the model: a failure here only loses the figure)
         log.info("the plain step was not measured: %s: %s", type(e).__name__, e)
         return None
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
-        with torch.no_grad():
-            for b, saved in snapshot:
-                b.copy_(saved)
     shapes = [list(t.shape) for t in tree_flatten((ctx.args, ctx.kwargs))[0] if isinstance(t, torch.Tensor)]
     return {**peaks, "input_shapes": shapes}
 
@@ -511,4 +522,4 @@ def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | 
 __all__ = ["Frontend", "TraceContext", "prepare", "trace_with", "default_loss", "model_inputs", "step_loss",
            "check_model_inputs", "split_inputs", "resolve_device", "prepare_trace", "step_meta", "model_fingerprint",
            "fixed_bytes", "host_device_bandwidth", "plain_step_peaks", "make_optimizer", "optimizer_tensors",
-           "rng_state_bytes", "optimizer_step_bytes", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]
+           "rng_state_bytes", "optimizer_step_bytes", "step_state_kept", "measured_plain_step", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]

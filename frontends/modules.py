@@ -52,7 +52,7 @@ from remat.core.errors import InvalidInputError
 from remat.core.graph import Node
 from remat.core.native import storages_held
 
-from .base import Frontend, TraceContext, model_inputs, step_loss
+from .base import Frontend, TraceContext, model_inputs, step_loss, step_state_kept
 from .capture import Captured, capture
 from .profile import (FlopsModel, Runner, StageProfile, Timer, cold_factors, is_random, profile_runner, release_plan, run_nodes,
                       writes_of)
@@ -151,31 +151,21 @@ def plain_step_seconds(model: torch.nn.Module, args: tuple, kwargs: dict, loss_f
     timer = Timer(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     params = [p for p in model.parameters() if p.requires_grad]
-    grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    cuda = [device] if device.type == "cuda" else []
     fw, bw = [], []
-    try:
-        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-            for r in range(max(1, warmup) + repeats):
-                for p in params:
-                    p.grad = None
-                sync()
-                t0 = timer.mark()
-                loss = step_loss(model, loss_fn, args, kwargs, count)
-                t1 = timer.mark()
-                loss.backward()
-                t2 = timer.mark()
-                if r >= max(1, warmup):
-                    fw.append(timer.seconds(t0, t1))
-                    bw.append(timer.seconds(t1, t2))
-                del loss
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+    with step_state_kept(model, device):
+        for r in range(max(1, warmup) + repeats):
+            for p in params:
+                p.grad = None
+            sync()
+            t0 = timer.mark()
+            loss = step_loss(model, loss_fn, args, kwargs, count)
+            t1 = timer.mark()
+            loss.backward()
+            t2 = timer.mark()
+            if r >= max(1, warmup):
+                fw.append(timer.seconds(t0, t1))
+                bw.append(timer.seconds(t1, t2))
+            del loss
     return statistics.median(fw), statistics.median(bw)
 
 
