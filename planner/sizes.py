@@ -141,7 +141,9 @@ class GraphFamily:
                                   extra=extra, persistent_bytes=int(round(vals["persistent_bytes"])),
                                   part_of=v.part_of, recompute_time=None if ratio is None else vals["time"] * ratio))
             fixed = int(round(max(0.0, polynomial_value(self._fixed_fit, size))))
-            meta = {**base.meta, "batch" if self.dim == "batch" else "seq_len": size,
+            # (a plain step measured at the traced size is not one at this size: `core.plain`)
+            meta = {**{k: v for k, v in base.meta.items() if k != "plain_step"},
+                    "batch" if self.dim == "batch" else "seq_len": size,
                     "capacity": {"dim": self.dim, "traced_sizes": self.sizes, "degree": self.degree}}
             self._cache[size] = Graph(nodes, base.edges, fixed, meta)
         return self._cache[size]
