@@ -4,10 +4,10 @@
 replays the captured ATen ops of each node inside one autograd function (``loss =
 planned(*inputs)``): a joint forward+backward graph's plan runs in `joint_executor`, every other
 (module, op-stages) in `executor`; both build on `runtime`.  ``executor="native"``: the model
-itself follows a module-level plan in the user's own loop (`native`); ``"auto"``: the model as plain autograd
-where the plan asks nothing of the step and plain autograd's measured peak fits its budget
-(`PlainExecution`, `remat.core.plain`), else native where the plan can run so within its budget,
-else the interpreter, with a line saying why.
+itself follows a module-level plan in the user's own loop (`native`); ``"auto"``: the model as
+plain autograd where the plan asks nothing of the step and plain autograd's measured peak fits
+its budget (`PlainExecution`, `remat.core.plain`), else native where the plan can run so within
+its budget, else the interpreter, with a line saying why.
 """
 from __future__ import annotations
 
@@ -72,10 +72,10 @@ def apply(model: torch.nn.Module, plan: "Plan | str", example_inputs: Any = None
 
 
 class PlainExecution:
-    """A plan in the plain class (`remat.core.plain`) run as the model's own plain autograd: nothing
-    is installed on `model`, the user's loop is unchanged, and calling it runs ``loss_fn(model(*inputs),
-    *inputs)`` (like the interpreter's module).  `predicted`: `plain_prediction` (the plain step
-    the trace measured)."""
+    """A plan in the plain class (`remat.core.plain`) run as the model's own plain autograd:
+    nothing is installed on `model`, the user's loop is unchanged, and calling it runs
+    ``loss_fn(model(*inputs), *inputs)`` (like the interpreter's module).  `predicted`:
+    `plain_prediction` (the plain step the trace measured)."""
     host_peak_bytes = 0
 
     def __init__(self, model: torch.nn.Module, plan: Plan, loss_fn: Callable | None = None):

@@ -22,6 +22,7 @@ from typing import Any
 
 from remat.core.errors import InvalidInputError, RematError
 from remat.core.graph import file_format
+from remat.core.plain import plain_obstacle, plain_prediction
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,6 @@ def run_run(args: Any, solver_options: dict, trace_options: dict | None = None) 
             print(f"wrote      {args.output}")
     pr, s = p.predicted, p.solver
     executor = getattr(args, "executor", "interpreter")
-    from remat.core.plain import plain_obstacle, plain_prediction
     if executor == "auto" and plain_obstacle(p.graph, p.schedule, p.budget_bytes) is None:
         pr = {**pr, **plain_prediction(p.graph, p.schedule)}   # (what runs is the traced plain step)
         print("executor   plain autograd (the plan asks nothing of the step; the plain step the trace measured "
