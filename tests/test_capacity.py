@@ -34,6 +34,12 @@ def test_family_reproduces_traced_sizes_and_extrapolates_linear_costs():
         assert [v.time for v in got.nodes] == pytest.approx([v.time for v in want.nodes])
         assert got.fixed_bytes == want.fixed_bytes and got.edges == want.edges
     assert fam.at(9).meta["batch"] == 9 and fam.at(9).meta["capacity"]["traced_sizes"] == [2, 5]
+    # a plain step measured at a traced size (`core.plain`) stays with that size's graph only
+    traced = {b: chain_at(b) for b in (2, 5)}
+    for b, g in traced.items():
+        g.meta["plain_step"] = {"peak_bytes": 1000 * b, "storage_peak_bytes": 1000 * b, "input_shapes": [[b]]}
+    fam = GraphFamily(traced)
+    assert fam.at(5).meta["plain_step"]["peak_bytes"] == 5000 and "plain_step" not in fam.at(9).meta
 
 
 def test_family_rejects_graphs_of_different_structure_and_sizes_that_do_not_grow():
