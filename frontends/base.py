@@ -189,7 +189,7 @@ def step_meta(model: torch.nn.Module, args: tuple, kwargs: dict, dev: torch.devi
     return {
         "model": model_name,
         "batch": _batch(args, kwargs),
-        "input_shapes": [list(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)],
+        "input_shapes": input_shapes(args, kwargs),
         "dtype": _dtype(model, args, kwargs),
         "device": str(dev),
         "torch": torch.__version__,
@@ -449,6 +449,12 @@ def trace_with(frontend: Frontend, ctx: TraceContext) -> Graph:
     return graph
 
 
+def input_shapes(args: tuple, kwargs: dict) -> list:
+    """The shapes of a step's tensor inputs, in pytree order (``meta["input_shapes"]``, and the
+    shapes a plain step was measured at)."""
+    return [list(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+
+
 @contextmanager
 def step_state_kept(model: torch.nn.Module, device: torch.device):
     """Around plain training steps run to measure them: afterwards the parameters' gradients,
@@ -479,7 +485,7 @@ def measured_plain_step(ctx: TraceContext) -> dict | None:
         return None
     model = ctx.model
     params = list(model.parameters())
-    resident = params + list(model.buffers()) + tree_flatten((ctx.args, ctx.kwargs))[0]
+    resident = params + list(model.buffers()) + tree_flatten((ctx.args, ctx.kwargs))[0]   # (`measure` skips non-tensors)
 
     def step() -> None:
         step_loss(model, ctx.loss_fn, ctx.args, ctx.kwargs, ctx.model_inputs).backward()
@@ -493,8 +499,7 @@ def measured_plain_step(ctx: TraceContext) -> dict | None:
     except Exception as e:   # (the trace itself ran the model: a failure here only loses the figure)
         log.info("the plain step was not measured: %s: %s", type(e).__name__, e)
         return None
-    shapes = [list(t.shape) for t in tree_flatten((ctx.args, ctx.kwargs))[0] if isinstance(t, torch.Tensor)]
-    return {**peaks, "input_shapes": shapes}
+    return {**peaks, "input_shapes": input_shapes(ctx.args, ctx.kwargs)}
 
 
 def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | None = None) -> tuple[int, int]:
@@ -522,4 +527,4 @@ def plain_step_peaks(model: torch.nn.Module, inputs: tuple, loss_fn: Callable | 
 __all__ = ["Frontend", "TraceContext", "prepare", "trace_with", "default_loss", "model_inputs", "step_loss",
            "check_model_inputs", "split_inputs", "resolve_device", "prepare_trace", "step_meta", "model_fingerprint",
            "fixed_bytes", "host_device_bandwidth", "plain_step_peaks", "make_optimizer", "optimizer_tensors",
-           "rng_state_bytes", "optimizer_step_bytes", "step_state_kept", "measured_plain_step", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]
+           "rng_state_bytes", "optimizer_step_bytes", "step_state_kept", "measured_plain_step", "input_shapes", "OPTIMIZER_STATE", "DEFAULT_REPEATS", "PROFILES", "GRADS"]

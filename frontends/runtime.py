@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from remat.core.errors import InvalidInputError
 from remat.core.plan import Plan
 
-from .base import default_loss, model_fingerprint, split_inputs, step_loss
+from .base import default_loss, input_shapes, model_fingerprint, split_inputs, step_loss
 from .transfer import Transfers
 
 SWAP_MESSAGE = ("remat.apply: the plan swaps a {kind} node ({name}); the executor swaps forward nodes only "
@@ -57,7 +57,7 @@ class PlannedBase(torch.nn.Module):
     def _check_model(self, args: tuple, kwargs: dict) -> None:
         """The plan was made for this model (parameter fingerprint) and these input shapes."""
         model, meta = self.model, self.plan.graph.meta
-        shapes = [list(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        shapes = input_shapes(args, kwargs)
         if meta.get("model_fingerprint") is not None and meta["model_fingerprint"] != model_fingerprint(model):
             raise InvalidInputError(
                 f"remat.apply: the plan was made for a model with other parameters or buffers (fingerprint "
