@@ -182,9 +182,10 @@ class ScalableSearch:
     warm-started fine ILP; 0 turns a step off) and `use_instant_ip` (step 0c, and in the coarse
     solve).  `run` raises `InfeasibleBudgetError` when the budget cannot hold what must be
     resident, `SolverError` when no schedule was found in time.  `progress(dict)` gets {"phase",
-    "elapsed", "incumbent", "lower_bound", "gap"} (seconds of the schedule) at every new incumbent
-    or bound; during the coarse solve "incumbent" is the coarse model's, which its expansion
-    matches without swap.
+    "elapsed", "incumbent", "phase_incumbent", "lower_bound", "gap"} (seconds of the schedule) at
+    every new incumbent or bound: "incumbent" is the best schedule held (only improves),
+    "phase_incumbent" the coarse or RINS model's own while one solves (its expansion matches the
+    coarse one without swap), else None.
     """
 
     def __init__(self, graph: Graph, budget_bytes: int, *, swap: bool = True, time_limit: float | None = 60.0,
@@ -247,12 +248,17 @@ class ScalableSearch:
         return None if rest is None else max(floor, rest * frac)
 
     def tell(self, phase: str, incumbent: float | None = None, lb: float | None = None) -> None:
+        """Progress: ``incumbent`` is the best schedule's time held so far (what the call would
+        return now), so it only improves; a phase solving a model of its own (the coarse graph,
+        RINS) passes that model's incumbent, reported as ``phase_incumbent`` (and as the
+        incumbent only while no schedule is held)."""
         if self.progress is None:
             return
-        inc = self.best_time if incumbent is None and self.best_time < math.inf else incumbent
+        inc = self.best_time if self.best_time < math.inf else incumbent
         b = self.bound if lb is None else lb
         self.progress({"phase": phase, "elapsed": _time.perf_counter() - self.t0, "incumbent": inc,
-                       "lower_bound": b, "gap": gap_of(inc, b) if inc is not None else None})
+                       "phase_incumbent": incumbent, "lower_bound": b,
+                       "gap": gap_of(inc, b) if inc is not None else None})
 
     def gap_open(self) -> bool:
         """Is the incumbent still further from the bound than asked?"""
