@@ -341,6 +341,9 @@ class ExactSolve:
             # the window IP (bounds.window_bound): integral where the LP is not; a tenth of a second
             take_bound(bounds.window_bound(g, budget, threads=self.threads, swap=self.swap,
                                            bandwidth=self.bandwidth), "window IP")
+            if not proven:   # the closure IP (bounds.closure_bound): rebuilding a value needs its inputs
+                take_bound(bounds.closure_bound(g, budget, threads=self.threads, swap=self.swap,
+                                                bandwidth=self.bandwidth), "closure IP")
         for value, source in self.instant_bounds:
             take_bound(value, source)
         take_bound(self.chain, "chain (revolve)")

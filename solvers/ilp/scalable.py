@@ -344,6 +344,10 @@ class ScalableSearch:
             self.raise_bound(bounds.window_bound(graph, budget, min(bounds.WINDOW_IP_S, self.share(0.05)
                                                                     or bounds.WINDOW_IP_S), self.threads,
                                                  swap=self.swap, bandwidth=self.bandwidth), "window IP")
+        if not self.recompute_backward and (self.best is None or self.gap_open()):
+            self.raise_bound(bounds.closure_bound(graph, budget, min(bounds.CLOSURE_IP_S, self.share(0.05)
+                                                                     or bounds.CLOSURE_IP_S), self.threads,
+                                                  swap=self.swap, bandwidth=self.bandwidth), "closure IP")
 
     # ---- 0c. the instant IP step, in a worker or in line -------------------------------------
     def start_worker(self) -> None:
