@@ -24,22 +24,26 @@ use), one row per instant; proof in `window_bound`'s docstring.  It dominates th
 instant's row, solved fractionally) and is integral where the LP is not; it ignores that a
 recomputation needs its own inputs.
 
-Closure IP (`closure_bound`, with or without swap).  At one instant t, the values resident K and,
-for each forward value v < t, r_v = 1 iff v is computed again after t (h_v = 1 iff, with swap, a
-host copy of v comes back after t).  Every value a node after t reads (outside t's inputs) is
-resident at t or comes back later: k_v + r_v + h_v >= 1.  The first recomputation of v after t
-finds each forward input u resident, which it was since t (k_u) or because it came back after t:
-r_v <= k_u + r_u + h_u.  Resident bytes at t fit cap_t as above.  Every schedule pays
-total_time + sum C_v r_v at least (on the compute stream; with swap, each value brought back
-crossed the transfer stream twice, out and in, and the step lasts at least the longer stream),
-so the IP's optimum, or CBC's bound on it, is a lower bound.  It is the instant IP's model at
-one instant with every later interval merged (a relaxation of it), a few hundred binaries where
-the instant IP has hundreds of thousands, and it sees what the window IP does not: rebuilding a
-value read by the backward may need values the backward never reads (an attention block's
-scores before its softmax), each rebuilt too where they were not kept.  It is solved at the
-instants where the moment knapsack leaves the most to recompute (where the knapsack leaves
-nothing, so does it).  On transformers' GPT-2 124M at batch 8 at 0.37x of plain's peak it
-raises the bound from 1.09x to 1.26x of the step (docs/results.md).
+Closure IP (`closure_bound`, with or without swap).  At instants t_1 < ... < t_m, k[i,v] = 1 iff
+forward value v < t_i is resident at t_i, r[i,v] = 1 iff v is computed again in the interval
+after t_i (up to t_{i+1}, or to the step's end), h[i,v] likewise for a host copy coming back
+(swap).  A value read in interval i (t_i's inputs aside, resident by force) was resident at t_i or
+comes back in it: k[i,v] + r[i,v] + h[i,v] >= 1.  What is resident at t_i was resident at
+t_{i-1} or came back in between: k[i,v] <= k[i-1,v] + r[i-1,v] + h[i-1,v].  The first
+recomputation of v in interval i finds each forward input u resident, which it was since t_i or
+because it came back before: r[i,v] <= k[i,u] + r[i,u] + h[i,u].  Resident bytes at t_i fit
+cap_{t_i} as above.  Each r is a distinct computation (one per value and interval), so every
+schedule pays total_time + sum C_v r[i,v] at least on the compute stream (with swap, one copy
+out per value and one per copy back on the transfer stream, the step at least the longer), and
+the IP's optimum, or CBC's bound on it, is a lower bound.  It is the instant IP's model at m
+instants with the intervals between them merged (a relaxation of it): a few hundred binaries per
+instant where the instant IP has hundreds of thousands on a real model's joint graph.  It sees
+what the window IP does not: rebuilding a value the backward reads may need values it never
+reads (an attention block's scores before its softmax), each rebuilt too where it was not kept.
+`closure_bound` solves it at each of the instants where the moment knapsack leaves the most to
+recompute (where the knapsack leaves nothing, so does it) and at those instants together.  On
+transformers' GPT-2 124M at batch 8 at checkpointing's peak it raises the bound from 1.09x to
+1.26x of the step (docs/results.md, "Real models at full size").
 """
 from __future__ import annotations
 
@@ -192,64 +196,94 @@ def closure_bound(graph: Graph, budget_bytes: int, time_limit: float | None = CL
                   threads: int | None = None, *, swap: bool = False, bandwidth: float | None = None,
                   instants: int = CLOSURE_INSTANTS) -> float | None:
     """Lower bound on the step time (backward values never recomputed nor swapped, as in the ILP's
-    default model) from the *closure IP* at the `instants` instants where the moment knapsack
-    leaves the most to recompute (module docstring); None when CBC gives no bound, or when some
-    instant cannot hold what it must.  `time_limit` is shared by the instants' IPs."""
+    default model) from the *closure IP* (module docstring) at each of the `instants` instants
+    where the moment knapsack leaves the most to recompute, and at those instants together; None
+    when CBC gives no bound, or when some instant cannot hold what it must.  `time_limit` is
+    shared by the IPs (the joint one gets half)."""
     extra = instant_extras(graph, budget_bytes)
     if extra is None:
         return None
     order = sorted((t for t in range(graph.n) if extra[t] > 0), key=lambda t: -extra[t])[:max(1, instants)]
     if not order:
         return graph.total_time
-    each = None if time_limit is None else max(1.0, time_limit / len(order))
+    runs = [[t] for t in order] + ([sorted(order)] if len(order) > 1 else [])
+    shares = [0.5 / len(order)] * len(order) + [0.5] if len(runs) > len(order) else [1.0 / len(order)] * len(order)
     best = None
-    for t in order:
-        value = closure_at(graph, budget_bytes, t, each, threads, swap=swap, bandwidth=bandwidth)
+    for at, share in zip(runs, shares):
+        value = closure_at(graph, budget_bytes, at, None if time_limit is None else max(1.0, time_limit * share),
+                           threads, swap=swap, bandwidth=bandwidth)
         if value is not None and (best is None or value > best):
             best = value
     return best
 
 
-def closure_at(graph: Graph, budget_bytes: int, t: int, time_limit: float | None = None,
+def closure_at(graph: Graph, budget_bytes: int, instants: "int | list[int]", time_limit: float | None = None,
                threads: int | None = None, *, swap: bool = False, bandwidth: float | None = None) -> float | None:
-    """The closure IP's bound at instant t (module docstring); None when CBC gives none."""
+    """The closure IP's bound at one instant, or at several together (module docstring): None
+    when CBC gives none or an instant cannot hold what it must."""
+    ts = sorted(set([instants] if isinstance(instants, int) else instants))
     C, M = graph.recompute_times, graph.sizes
-    cap = budget_bytes - graph.fixed_bytes - forced_loads(graph)[t]
-    if cap < 0:
+    forced = forced_loads(graph)
+    caps = [budget_bytes - graph.fixed_bytes - forced[t] for t in ts]
+    if min(caps) < 0:
         return None
-    last_use = [max(s, default=-1) for s in graph.succs]
-    need = set(graph.preds[t])
+    succs = [sorted(set(x)) for x in graph.succs]
 
-    def held(v: int) -> bool:   # a forward value that holds bytes and is not forced resident at t
-        return graph.nodes[v].kind == "forward" and M[v] > 0 and v not in need
-    later = [v for v in range(t) if held(v) and last_use[v] > t]
-    values, stack = set(), list(later)   # what is read after t, and what rebuilding it may read
-    while stack:
-        v = stack.pop()
-        if v not in values:
-            values.add(v)
-            stack.extend(u for u in graph.preds[v] if held(u) and u not in values)
-    if not later:
+    def stored(v: int) -> bool:
+        return graph.nodes[v].kind == "forward" and M[v] > 0
+    # per instant: the values read after it, and what rebuilding them may read (resident at the
+    # instant, or rebuilt after it)
+    vals: list[set] = []
+    for t in ts:
+        seen, stack = set(), [v for v in range(t) if stored(v) and succs[v] and succs[v][-1] > t]
+        while stack:
+            v = stack.pop()
+            if v not in seen:
+                seen.add(v)
+                stack.extend(u for u in graph.preds[v] if stored(u) and u not in seen)
+        vals.append(seen)
+    for i in range(len(ts) - 1, 0, -1):   # what is wanted at an instant was there at the one before, or came back
+        vals[i - 1] |= {v for v in vals[i] if v < ts[i - 1]}
+    if not any(vals):
         return graph.total_time
     cu = time_unit(graph)
     bw = float(bandwidth if bandwidth is not None else graph.bandwidth)
-    unit = math.gcd(*[M[v] for v in values])
+    unit = math.gcd(*[M[v] for vs in vals for v in vs])
     prob = pulp.LpProblem("remat_closure", pulp.LpMinimize)
-    k = {v: pulp.LpVariable(f"k_{v}", 0, 1, pulp.LpBinary) for v in values}
-    r = {v: pulp.LpVariable(f"r_{v}", 0, 1, pulp.LpBinary) for v in values}
-    h = {v: pulp.LpVariable(f"h_{v}", 0, 1, pulp.LpBinary) for v in values} if swap else {}
-    for v in later:
-        prob.addConstraint(k[v] + r[v] + h.get(v, 0) >= 1, f"read_{v}")
-    for v in values:
-        for u in set(graph.preds[v]) & values:
-            prob.addConstraint(r[v] <= k[u] + r[u] + h.get(u, 0), f"rebuild_{v}_{u}")
-    prob.addConstraint(pulp.lpSum((M[v] // unit) * k[v] for v in values) <= cap // unit, "memory")
-    recompute = graph.total_time / cu + pulp.lpSum((C[v] / cu) * r[v] for v in values)
+    k: dict = {}
+    r: dict = {}
+    h: dict = {}
+    for i, (t, vs) in enumerate(zip(ts, vals)):
+        need = set(graph.preds[t])
+        for v in vs:
+            k[i, v] = 1 if v in need else pulp.LpVariable(f"k_{i}_{v}", 0, 1, pulp.LpBinary)
+            r[i, v] = pulp.LpVariable(f"r_{i}_{v}", 0, 1, pulp.LpBinary)
+            if swap:
+                h[i, v] = pulp.LpVariable(f"h_{i}_{v}", 0, 1, pulp.LpBinary)
+
+    def back(i: int, v: int):   # resident at instant i, or brought back in the interval after it
+        return k[i, v] + r[i, v] + h.get((i, v), 0)
+    for i, (t, vs) in enumerate(zip(ts, vals)):
+        end = ts[i + 1] if i + 1 < len(ts) else graph.n
+        for v in vs:
+            if any(t < u <= end for u in succs[v]):
+                prob.addConstraint(back(i, v) >= 1, f"read_{i}_{v}")
+            if i > 0 and v < ts[i - 1] and not isinstance(k[i, v], int):
+                prob.addConstraint(k[i, v] <= back(i - 1, v), f"kept_{i}_{v}")
+            for u in set(graph.preds[v]) & vs:
+                prob.addConstraint(r[i, v] <= k[i, u] + r[i, u] + h.get((i, u), 0), f"rebuild_{i}_{v}_{u}")
+        prob.addConstraint(pulp.lpSum((M[v] // unit) * k[i, v] for v in vs if not isinstance(k[i, v], int))
+                           <= caps[i] // unit, f"memory_{i}")
+    recompute = graph.total_time / cu + pulp.lpSum((C[v] / cu) * x for (_, v), x in r.items())
     if swap:
+        out_once = {v: pulp.LpVariable(f"o_{v}", 0, 1, pulp.LpBinary) for _, v in h}
+        for (i, v), x in h.items():
+            prob.addConstraint(x <= out_once[v], f"out_before_in_{i}_{v}")
         T = pulp.LpVariable("T", 0)
         prob += T
         prob.addConstraint(T >= recompute, "compute_stream")
-        prob.addConstraint(T >= pulp.lpSum((2 * M[v] / bw / cu) * x for v, x in h.items()), "transfer_stream")
+        prob.addConstraint(T >= pulp.lpSum((M[v] / bw / cu) * x for (_, v), x in h.items())
+                           + pulp.lpSum((M[v] / bw / cu) * x for v, x in out_once.items()), "transfer_stream")
     else:
         prob += recompute
     try:

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 INSTANT_SHARE = 0.4   # of the time limit, for the instant IP before the full model
 INSTAGE_SHARE = 0.5   # of the time left, for the instant IP with rebuild moments on demand after it
 INSTANT_CAP_S = 60.0  # the instant IP's limit when the call has none
+CLOSURE_S = 2.0      # the closure IPs' limit after an unproven solve (they take milliseconds on the graphs this mode solves)
 
 
 class ExactSolve:
@@ -342,7 +343,7 @@ class ExactSolve:
             take_bound(bounds.window_bound(g, budget, threads=self.threads, swap=self.swap,
                                            bandwidth=self.bandwidth), "window IP")
             if not proven:   # the closure IP (bounds.closure_bound): rebuilding a value needs its inputs
-                take_bound(bounds.closure_bound(g, budget, threads=self.threads, swap=self.swap,
+                take_bound(bounds.closure_bound(g, budget, CLOSURE_S, threads=self.threads, swap=self.swap,
                                                 bandwidth=self.bandwidth), "closure IP")
         for value, source in self.instant_bounds:
             take_bound(value, source)

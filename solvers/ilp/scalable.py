@@ -9,7 +9,8 @@ are the methods of `ScalableSearch`, in this order:
 
 0.  `baselines`: cheap bounds (knapsack, revolve's on chains), the baselines (`BASELINES`: DTR's
     variants cast into stages and as bare op lists, which the cast can push over the budget,
-    Chen's, revolve, checkpoint-all; the fastest that fits is the first incumbent), the window IP.
+    Chen's, revolve, checkpoint-all; the fastest that fits is the first incumbent), the window IP,
+    the closure IP.
 0c. `start_worker`: with ``threads >= 2`` the instant IP step (`worker.instant_step`: the instant
     IP, its split and coupled bounds) in a process of its own for `WORKER_SHARE` of the time,
     beside the rest, which gets one thread fewer; its plan and bound are taken when it ends
@@ -47,7 +48,7 @@ are the methods of `ScalableSearch`, in this order:
     warm-started from the best schedule.
 
 Why the reported lower bound holds for the whole graph.  It is the largest of the
-no-recomputation time; the moment knapsack and the window IP (`bounds`); the instant IP's bound
+no-recomputation time; the moment knapsack, the window IP and the closure IP (`bounds`); the instant IP's bound
 (`instant`), the split at tight instants and the coupled windows (`windows`); revolve's count on
 chains (`griewank.chain_bound`); the LP relaxation of the full fine model with sizes rounded down
 (a relaxation of the exact model even when sizes need quantising); and CBC's bound on the whole
