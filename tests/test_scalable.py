@@ -151,6 +151,8 @@ def test_closure_ip_bound_never_exceeds_the_exact_optimum_and_holds_the_knapsack
             assert ex["status"] == "optimal" and ex.get("bound_from") != "closure IP"
             cb = bounds.closure_bound(g, budget, swap=swap)
             assert cb is not None and g.total_time <= cb <= ex["objective"] * (1 + 1e-9), (ratio, swap, cb)
+            sb = bounds.spread_closure_bound(g, budget, 5.0, swap=swap, apart=3)
+            assert sb is not None and g.total_time <= sb <= ex["objective"] * (1 + 1e-9), (ratio, swap, sb)
             if not swap:   # one instant's IP with more rows than its fractional knapsack
                 assert bounds.knapsack_bound(g, budget) <= cb * (1 + 1e-9)
             checked += 1

@@ -46,6 +46,8 @@ are the methods of `ScalableSearch`, in this order:
     (b) `refine`: RINS (the fine ILP with every binary fixed on which that LP and the incumbent
     agree, warm-started), then on graphs up to `FULL_REFINE_MAX_NODES` the whole fine ILP
     warm-started from the best schedule.
+5.  `late_bound`: time the steps left unused (a large graph whose instant IP, LP and RINS are
+    all too large ends its search early) goes to the closure IP at instants spread over the step.
 
 Why the reported lower bound holds for the whole graph.  It is the largest of the
 no-recomputation time; the moment knapsack, the window IP and the closure IP (`bounds`); the instant IP's bound
@@ -105,6 +107,7 @@ LNS_MIN_S = 5.0        # and at least this long
 INSTANT_MAX_VARS = 40_000  # the instant IP in the main process only up to this many P and N variables (larger
 #                            ones find no root LP in their share)
 LNS_MAX_VARS = 60_000  # the neighbourhood search up to this many (a region fixes two thirds of them)
+LATE_BOUND_S = 30.0    # at most this long for the closure IP at spread instants, with time left at the end (step 5)
 WORKER_SHARE = 0.9     # with threads >= 2: of the time left after step 0, for the instant IP in a worker process
 WORKER_START_S = 3.0   # what starting the worker (a fresh interpreter, imports, the model) costs it at most
 WORKER_MAX_VARS = 60_000  # the worker's instant IP may be larger: it has nearly all the time
@@ -234,6 +237,7 @@ class ScalableSearch:
         lp_model = self.lp_bound()
         self.refine(lp_model)
         self.wait_for_worker()
+        self.late_bound()
         return self.result()
 
     def close(self) -> None:
@@ -675,6 +679,16 @@ class ScalableSearch:
             self.collect(wait=5.0 if rest is None else max(0.0, min(5.0, rest)))
             if rest is not None and rest <= 5.0:
                 break
+
+    def late_bound(self) -> None:
+        """5: time the steps before left unused goes to the closure IP at instants spread over
+        the step (`bounds.spread_closure_bound`), up to `LATE_BOUND_S`."""
+        left = self.left()
+        if self.recompute_backward or self.best is None or not self.gap_open() or (left is not None and left < 5.0):
+            return
+        limit = LATE_BOUND_S if left is None else min(LATE_BOUND_S, 0.8 * left)
+        self.raise_bound(bounds.spread_closure_bound(self.graph, self.budget, limit, self.threads, swap=self.swap,
+                                                     bandwidth=self.bandwidth), "closure IP, spread instants")
 
     def result(self) -> Schedule:
         if self.best is None:
