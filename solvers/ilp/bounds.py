@@ -173,16 +173,24 @@ def window_bound(graph: Graph, budget_bytes: int, time_limit: float | None = WIN
                            >= (load + fixed[t] - cap0) / unit, f"instant_{t}")
     if not zr:
         return graph.total_time
-    base = graph.total_time / cu
-    recompute = pulp.lpSum((C[v] / cu) * x for (v, _), x in zr.items())
-    if swap:
+    compute = graph.total_time / cu + pulp.lpSum((C[v] / cu) * x for (v, _), x in zr.items())
+    transfer = (pulp.lpSum((M[v] / bw / cu) * x for (v, _), x in zs.items())
+                + pulp.lpSum((M[v] / bw / cu) * x for v, x in out_once.items())) if swap else None
+    return _streams_bound(graph, prob, compute, transfer, cu, time_limit, threads)
+
+
+def _streams_bound(graph: Graph, prob: "pulp.LpProblem", compute, transfer, cu: float, time_limit: float | None,
+                   threads: int | None) -> float | None:
+    """`prob` minimising the step's time, at least the `compute` stream's and (with swap, when
+    `transfer` is given) the transfer stream's, in units of `cu` seconds, solved by CBC: the
+    bound CBC proves, in seconds and never below one pass over the graph; None without one."""
+    if transfer is not None:
         T = pulp.LpVariable("T", 0)
         prob += T
-        prob.addConstraint(T >= base + recompute, "compute_stream")
-        prob.addConstraint(T >= pulp.lpSum((M[v] / bw / cu) * x for (v, _), x in zs.items())
-                           + pulp.lpSum((M[v] / bw / cu) * x for v, x in out_once.items()), "transfer_stream")
+        prob.addConstraint(T >= compute, "compute_stream")
+        prob.addConstraint(T >= transfer, "transfer_stream")
     else:
-        prob += base + recompute
+        prob += compute
     try:
         out = mip.run(SimpleNamespace(prob=prob, time_unit=1.0), "cbc", time_limit, 0.0, threads, False, False)
     except SolverError:
@@ -296,25 +304,15 @@ def closure_at(graph: Graph, budget_bytes: int, instants: "int | list[int]", tim
                 prob.addConstraint(r[i, v] <= k[i, u] + r[i, u] + h.get((i, u), 0), f"rebuild_{i}_{v}_{u}")
         prob.addConstraint(pulp.lpSum((M[v] // unit) * k[i, v] for v in vs if not isinstance(k[i, v], int))
                            <= caps[i] // unit, f"memory_{i}")
-    recompute = graph.total_time / cu + pulp.lpSum((C[v] / cu) * x for (_, v), x in r.items())
+    compute = graph.total_time / cu + pulp.lpSum((C[v] / cu) * x for (_, v), x in r.items())
+    transfer = None
     if swap:
         out_once = {v: pulp.LpVariable(f"o_{v}", 0, 1, pulp.LpBinary) for _, v in h}
         for (i, v), x in h.items():
             prob.addConstraint(x <= out_once[v], f"out_before_in_{i}_{v}")
-        T = pulp.LpVariable("T", 0)
-        prob += T
-        prob.addConstraint(T >= recompute, "compute_stream")
-        prob.addConstraint(T >= pulp.lpSum((M[v] / bw / cu) * x for (_, v), x in h.items())
-                           + pulp.lpSum((M[v] / bw / cu) * x for v, x in out_once.items()), "transfer_stream")
-    else:
-        prob += recompute
-    try:
-        out = mip.run(SimpleNamespace(prob=prob, time_unit=1.0), "cbc", time_limit, 0.0, threads, False, False)
-    except SolverError:
-        return None
-    if out["bound"] is None or out["infeasible"]:
-        return None
-    return max(graph.total_time, out["bound"] * cu)
+        transfer = (pulp.lpSum((M[v] / bw / cu) * x for (_, v), x in h.items())
+                    + pulp.lpSum((M[v] / bw / cu) * x for v, x in out_once.items()))
+    return _streams_bound(graph, prob, compute, transfer, cu, time_limit, threads)
 
 
 __all__ = ["closure_at", "closure_bound", "spread_closure_bound", "instant_extras", "knapsack_bound", "window_bound", "CLOSURE_IP_S",
