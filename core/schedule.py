@@ -251,6 +251,40 @@ def ops_from_stages(graph: Graph, stages: Sequence[Stage],
     return ops
 
 
+def early_frees(graph: Graph, ops: Sequence[Op]) -> list[Op]:
+    """`ops` with each stage-end ``free i`` (step 4) of a value that its stage computed and that
+    no later compute of the stage reads moved to right after the compute of its op's last part.
+    Such a value is dead once made, but step 4 holds it to the stage's end: a recomputed run of
+    nodes whose members only the backward reads (an op's later parts: a layer norm's statistics,
+    a dropout's mask) then outlives the run's last reader, which a coarse model of the run does
+    not count.  Frees only move earlier and never between an op's parts, so every op still
+    finds its inputs and the peak can only fall; the result is a bare op list."""
+    out: list[Op] = []
+    start = 0
+    while start < len(ops):
+        end = start
+        while end < len(ops) and ops[end].stage == ops[start].stage:
+            end += 1
+        seg = list(ops[start:end])
+        moving = {o.node for o in seg if o.op in ("swap_out", "swap_in")}
+        computed = {o.node: j for j, o in enumerate(seg) if o.op == "compute" and o.node not in moving}
+        last_compute = max(computed.values(), default=-1)
+        moved: dict[int, list[Op]] = {}   # position of the compute after which -> frees moved there
+        gone: set[int] = set()             # positions of the frees moved
+        for j, o in enumerate(seg):
+            if o.op == "free" and j > last_compute and o.node in computed and not any(
+                    o.node in graph.preds[k] for k, p in computed.items() if p > computed[o.node]):
+                at = max(computed.get(graph.members_of(o.node)[-1], -1), computed[o.node])
+                moved.setdefault(at, []).append(o)
+                gone.add(j)
+        for j, o in enumerate(seg):
+            if j not in gone:
+                out.append(o)
+                out.extend(moved.get(j, ()))
+        start = end
+    return out
+
+
 def stages_from_ops(graph: Graph, ops: Sequence[Op]) -> list[Stage] | None:
     """Frontier-advancing stages for a compute/free op list that computes nodes for the first
     time in id order (as DTR's replay does), or None if it does not fit that form.

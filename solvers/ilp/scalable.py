@@ -73,7 +73,7 @@ from typing import Callable
 from remat.core.analysis import check_budget, check_forced_need, recompute_in
 from remat.core.errors import InfeasibleBudgetError, SolverError
 from remat.core.graph import Graph
-from remat.core.schedule import Schedule
+from remat.core.schedule import Schedule, early_frees
 from remat.core.simulate import simulate
 from remat.solvers import griewank, stage_order
 from remat.solvers.registry import register
@@ -579,7 +579,14 @@ class ScalableSearch:
                 self.offer(cs, "exact ILP")
             else:
                 try:
-                    self.offer(expand(co, cs), "coarse ILP")
+                    fine, source = expand(co, cs), "coarse ILP"
+                    res = simulate(graph, fine, self.bandwidth)
+                    if res.valid and res.peak_bytes > budget:
+                        # a recomputed run's members that no node of their stage reads are held
+                        # to the stage's end, which the coarse model does not count: free them
+                        # once made (an op list)
+                        fine, source = Schedule(early_frees(graph, fine.ops)), "coarse ILP (early frees)"
+                    self.offer(fine, source)
                 except ValueError as e:   # (an op list that does not cast into stages: nothing to offer)
                     log.info("ilp-scalable: the coarse schedule does not expand: %s", e)
                 except AssertionError as e:  # pragma: no cover - a modelling bug
