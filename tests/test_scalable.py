@@ -3,6 +3,7 @@ plans against the exact ILP."""
 from __future__ import annotations
 
 import math
+import random
 import time
 
 import pytest
@@ -127,7 +128,6 @@ def sparse_reads(seed: int, n: int = 10, drop: float = 0.6) -> Graph:
     """A random layered graph whose backward nodes read only some of the forward values (an
     attention block's backward reads its softmax, not the scores before it): rebuilding a value
     the backward reads may need values it never reads."""
-    import random
     base = random_layered(n, seed=seed)
     rng = random.Random(seed)
     kinds = [v.kind for v in base.nodes]

@@ -211,18 +211,24 @@ def closure_bound(graph: Graph, budget_bytes: int, time_limit: float | None = CL
     extra = instant_extras(graph, budget_bytes)
     if extra is None:
         return None
-    order = sorted((t for t in range(graph.n) if extra[t] > 0), key=lambda t: -extra[t])[:max(1, instants)]
+    order = _tightest(extra)[:max(1, instants)]
     if not order:
         return graph.total_time
-    runs = [[t] for t in order] + ([sorted(order)] if len(order) > 1 else [])
-    shares = [0.5 / len(order)] * len(order) + [0.5] if len(runs) > len(order) else [1.0 / len(order)] * len(order)
+    joint = len(order) > 1
+    each = (0.5 if joint else 1.0) / len(order)
+    runs = [([t], each) for t in order] + ([(sorted(order), 0.5)] if joint else [])
     best = None
-    for at, share in zip(runs, shares):
+    for at, share in runs:
         value = closure_at(graph, budget_bytes, at, None if time_limit is None else max(1.0, time_limit * share),
                            threads, swap=swap, bandwidth=bandwidth)
         if value is not None and (best is None or value > best):
             best = value
     return best
+
+
+def _tightest(extra: list[float]) -> list[int]:
+    """The instants where the moment knapsack leaves something to recompute, the most first."""
+    return sorted((t for t, e in enumerate(extra) if e > 0), key=lambda t: -extra[t])
 
 
 def spread_closure_bound(graph: Graph, budget_bytes: int, time_limit: float | None, threads: int | None = None, *,
@@ -237,7 +243,7 @@ def spread_closure_bound(graph: Graph, budget_bytes: int, time_limit: float | No
         return None
     apart = max(1, graph.n // 20) if apart is None else apart
     chosen: list[int] = []
-    for t in sorted((t for t in range(graph.n) if extra[t] > 0), key=lambda t: -extra[t]):
+    for t in _tightest(extra):
         if all(abs(t - u) >= apart for u in chosen):
             chosen.append(t)
             if len(chosen) == instants:
