@@ -441,6 +441,9 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes) -> tuple
     for i, n in enumerate(nodes):
         if n.op == "call_function" and not is_alias(n):
             tensors = _tensors(n.meta.get("val"))
+            if n.meta.get("val") is None:   # (an op without a value of its own, the partitioner's
+                # ``run_and_save_rng_state``: its results are its ``getitem`` readers')
+                tensors = [t for u in n.users if u.target is operator.getitem for t in _tensors(u.meta.get("val"))]
             new = {}
             for t in tensors:
                 k = storage_key(t)
@@ -469,18 +472,22 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
             for t in _tensors(n.meta.get("val")):
                 fixed.setdefault(storage_key(t), _nbytes(t))
     fixed_bytes = sum(fixed.values())
-    f_peak, f_time, after = _replay(fw, {}, set(fixed), times)
+    f_peak, f_time, _ = _replay(fw, {}, set(fixed), times)
     out = next(n for n in fw.graph.nodes if n.op == "output")
     results = out.args[0][:num_fwd_outputs]
     held = {storage_key(t): _nbytes(t) for a in results if isinstance(a, fx.Node) for t in _tensors(a.meta.get("val"))
             if storage_key(t) not in fixed}
-    saved = sum(b for k, b in after.items() if k not in held)
     start: dict = {}
+    tangents = 0
     for n in bw.graph.nodes:
         if n.op == "placeholder":
             for t in _tensors(n.meta.get("val")):
-                if storage_key(t) not in fixed and storage_key(t) not in held:
-                    start.setdefault(storage_key(t), _nbytes(t))
+                if storage_key(t) not in fixed and storage_key(t) not in held and storage_key(t) not in start:
+                    start[storage_key(t)] = _nbytes(t)
+                    tangents += _nbytes(t) if n.name.startswith("tangents") else 0
+    # what the forward hands the backward: the backward's inputs but the tangents (a recomputed
+    # random op's generator state among them: 5,056 bytes on a CPU)
+    saved = sum(start.values()) - tangents
     b_peak, b_time, _ = _replay(bw, start, set(fixed) | set(held), times)
     b_peak += sum(held.values())
     fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}

@@ -9,7 +9,7 @@ compiled just before its first run, so those regions are known then: region k is
 its share of the budget, the budget less what they hold (`held`: the storages of their inputs
 and outputs still alive, less region k's own inputs, plus what their programs save).  Which
 regions are active is followed at run time: a region is active from its forward to its backward
-(a hook on its outputs' ``grad_fn``), and one that runs again while active starts a new step.  A
+(a pre-hook on its outputs' ``grad_fn``), and one that runs again while active starts a new step.  A
 relative budget (``"0.6x"``) is resolved against the keep-all peak of the region that starts the
 step (with nothing held) and shared in bytes by the regions after it.  What a later region's
 gradients add to an earlier region's backward is not in the earlier region's plan (it was made
@@ -129,7 +129,11 @@ class RematCompiler:
         def done(*_: Any) -> None:
             if index in self._active:
                 self._active.remove(index)
-        fn.register_hook(done)
+        # (a pre-hook: a hook that runs after the node would make the engine hold the region's
+        # incoming gradients until the region's backward returns, to hand them to the hook,
+        # where the region's program frees each at its last use: a transformers GPT-2 broken
+        # before its loss measured 2.6 % over its prediction, the logits' gradient held)
+        fn.register_prehook(done)
 
     def _tracked(self, compiled: Any, index: int | None):
         """`compiled` (the backend's callable) calling `_ran` after each run of region `index`."""

@@ -326,6 +326,45 @@ def test_a_region_after_a_graph_break_is_planned_within_its_share(one_torch_thre
                                                                          reserve=tight - 10 ** 6)), x)
 
 
+class WideBreak(torch.nn.Module):
+    """A region with two outputs, a wide one whose gradient the loss after a graph break makes
+    and one nothing differentiates, and a backward that allocates more after reading the wide
+    output's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 2048)
+        self.down = torch.nn.Linear(2048, 64)
+        self.out = torch.nn.Linear(64, 256)
+
+    def forward(self, x):
+        h = self.down(torch.nn.functional.gelu(self.up(x)))
+        y, extra = self.out(h), h.sum(1)
+        torch._dynamo.graph_break()
+        return y.square().mean() + 0 * extra.detach().sum()
+
+
+def test_a_regions_incoming_gradients_go_at_their_last_use(one_torch_thread):
+    """The gradient a later region hands an earlier one goes at its last use in the earlier
+    region's backward, as its program says (the hook that follows which regions are active
+    runs before the region's backward: a hook after it would make autograd's engine hold the
+    gradients to hand them over), so the measured peak, set by the first region's backward, is
+    the prediction less the first region's outputs, which it holds through the backward as a
+    caller may and which this step drops once the loss is made."""
+    torch.manual_seed(0)
+    model, x = WideBreak().train(), torch.randn(2048, 64)
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    rc = remat.compiler(10 ** 9, backend="aot_eager", time_limit=10)
+    c = torch.compile(m, backend=rc)
+    _step(c, x)
+    r0, r1 = rc.regions
+    predicted = max(r0.program.peak_bytes, r1.held_bytes + r1.program.peak_bytes)
+    assert predicted == r0.program.peak_bytes   # (the first region's backward sets the step's peak)
+    outputs = 2048 * 256 * 4 + 2048 * 4          # (y and extra)
+    assert _allocator_peak(c, m, x) == pytest.approx(predicted - outputs, abs=64)
+
+
 def test_a_transformers_model_trains_compiled_with_its_own_loss(one_torch_thread):
     """``model(input_ids=..., labels=...).loss`` of a transformers GPT-2 (dropout, tied embedding)
     in an unchanged loop: one region (the model's loss type named, so transformers does not log
