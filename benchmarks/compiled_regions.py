@@ -15,7 +15,8 @@ meter, `remat.measure(meter="allocator")`, which sees inside compiled code and k
 
 For each budget (a fraction of the step's keep-all compiled peak, measured first with a budget
 nothing constrains): the budget, each region's share and predicted peak, the step's predicted
-peak (the largest of what is held + a region's peak), the measured peak, and whether loss and
+peak (`RematCompiler.step_peak_bytes`: each region with what the regions before it hold and the
+later regions' parameters and gradients), the measured peak, and whether loss and
 gradients equal eager autograd's.
 
     python benchmarks/compiled_regions.py [--cases broken-mlp,hf-gpt2,resnet18-bn] [--budgets 0.9,0.8,0.7]
@@ -117,7 +118,7 @@ def run(name: str, fraction: float | None, budget: int, reserve: int = 0) -> tup
     equal = torch.equal(loss, loss0) and all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(),
                                                                                            eager.parameters()))
     measured = measure(lambda: step(c, batch), meter="allocator", resident=list(m.parameters()) + held).peak_bytes
-    predicted = max(r.held_bytes + r.program.peak_bytes for r in rc.regions)
+    predicted = rc.step_peak_bytes
     return {"case": name, "fraction": fraction, "budget_bytes": budget, "reserve_bytes": reserve,
             "regions": len(rc.regions), "shares": " ".join(str(r.budget_bytes) for r in rc.regions),
             "region_peaks": " ".join(str(r.program.peak_bytes) for r in rc.regions),

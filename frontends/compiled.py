@@ -23,10 +23,11 @@ Per region (one joint graph; a graph break makes several):
    only) cuts the graph, and replays the random ops it recomputes with the forward's RNG state
    (``functionalize_rng_ops``): recomputed dropout masks equal the forward's.
 
-Limits, named: no swap (offload) plans yet; with graph breaks each region is planned against the
-whole budget (the report says so: regions whose activations coexist add up; compile with
-``fullgraph=True`` to plan one region); inductor's fusions make fewer buffers than the joint graph
-has ops, so its measured peak is at or below the prediction.
+Limits, named: no swap (offload) plans yet; with graph breaks each region is planned within its
+share of the budget, first come, first served (``remat.compiling``: the regions before it hold
+part of the budget, the later ones' parameters and gradients are added to it when they are
+compiled); inductor's fusions make fewer buffers than the joint graph has ops, so its measured
+peak is at or below the prediction.
 """
 from __future__ import annotations
 

@@ -11,9 +11,13 @@ and outputs still alive, less region k's own inputs, plus what their programs sa
 regions are active is followed at run time: a region is active from its forward to its backward
 (a pre-hook on its outputs' ``grad_fn``), and one that runs again while active starts a new step.  A
 relative budget (``"0.6x"``) is resolved against the keep-all peak of the region that starts the
-step (with nothing held) and shared in bytes by the regions after it.  What a later region's
-gradients add to an earlier region's backward is not in the earlier region's plan (it was made
-first); `RematCompiler.report` names each region's share.
+step (with nothing held) and shared in bytes by the regions after it.  A later region's
+parameters, buffers and batch tensors are resident through the earlier regions too, and its
+parameters' gradients, made in its backward, through theirs: the earlier plans were made first,
+so these bytes are added to the earlier regions' peaks when the later region is compiled
+(`Region.step_peak_bytes`), and a step they take over the budget fails there, naming the reserve
+that makes the first region leave room.  `RematCompiler.report` names each region's share and
+the step's predicted peak (`RematCompiler.step_peak_bytes`).
 """
 from __future__ import annotations
 
@@ -54,6 +58,20 @@ class Region:
     tries: list
     note: str = ""
     held_bytes: int = 0   # what the regions before it hold while it runs (module docstring)
+    before: tuple = ()    # those regions
+    # its parameters, buffers and batch tensors that no region before it takes (resident through
+    # those regions), and those parameters' gradients (alive through their backward): `leaves`
+    leaf_bytes: int = 0
+    leaf_grad_bytes: int = 0
+
+    def step_peak(self, later: list) -> int:
+        """Its peak within the step, given the `later` regions that run while it is active: what
+        the regions before it hold, plus its forward's peak with the later regions' leaves, or its
+        backward's with their gradients too."""
+        pr = self.program
+        resident = sum(r.leaf_bytes for r in later)
+        grads = sum(r.leaf_grad_bytes for r in later)
+        return self.held_bytes + max(pr.forward_peak_bytes + resident, pr.backward_peak_bytes + resident + grads)
 
     @property
     def predicted(self) -> dict:
@@ -91,6 +109,7 @@ class RematCompiler:
         self._active: list[int] = []          # regions between their forward and their backward
         self._touched: dict[int, tuple] = {}  # region -> (its inputs' storages, weak references to its outputs)
         self._held, self._held_from, self._passed = 0, [], 0   # for the region being compiled (`held`)
+        self._leaves = (0, 0)   # its new resident bytes and gradient bytes (`leaves`)
 
     # -- graph breaks: what the regions before a region hold ---------------------------------------
     def held(self, inputs: list) -> tuple[int, list[int], int]:
@@ -109,6 +128,61 @@ class RematCompiler:
         saved = sum(self.regions[r].program.saved_bytes for r in self._active)
         return (sum(b for k, b in alive.items() if k not in own) + saved, list(self._active),
                 sum(b for k, b in returned.items() if k in own))
+
+    def leaves(self, inputs: list) -> tuple[int, int]:
+        """Bytes of the leaf tensors among a region's real `inputs` (parameters, buffers, the batch:
+        resident through the step) that no active region takes as input, with the gradients they
+        hold already, and of the gradients of those that require one and hold none (made in its
+        backward, which runs before the earlier regions')."""
+        seen = {k for r in self._active for k in self._touched.get(r, ({}, []))[0]}
+        resident = grads = 0
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.is_leaf and storage_key(t) not in seen:
+                seen.add(storage_key(t))
+                nbytes = t.untyped_storage().nbytes()
+                resident += nbytes
+                if t.grad is not None:   # (a loop that keeps its gradients between steps)
+                    resident += t.grad.untyped_storage().nbytes()
+                elif t.requires_grad:
+                    grads += nbytes
+        return resident, grads
+
+    def region_peak(self, j: int, new: "Region | None" = None) -> int:
+        """Region j's peak within the step (`Region.step_peak`), with the regions compiled after
+        it that ran while it was active (and `new`, one being compiled)."""
+        later = [r for r in self.regions[j + 1:] + ([new] if new is not None else []) if j in r.before]
+        return self.regions[j].step_peak(later)
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """The step's predicted peak: the largest `region_peak` (0 before a compile)."""
+        return max((self.region_peak(j) for j in range(len(self.regions))), default=0)
+
+    def _check_earlier(self, before: list, step_budget: int) -> None:
+        """A region after a graph break brings parameters (resident from the step's start) and
+        their gradients (alive through the earlier regions' backward), which the earlier regions'
+        plans, made first, did not count (`region_peak` adds them): a step that no longer fits its
+        budget fails here, naming the reserve that makes the first region leave room for them."""
+        resident, grads = self._leaves
+        if not (resident or grads):
+            return
+        new = Region(None, None, [], None, 0, [], before=tuple(before), leaf_bytes=resident, leaf_grad_bytes=grads)
+        over = [(p, j) for j in before if (p := self.region_peak(j, new)) > step_budget]
+        if over:
+            peak, j = max(over)
+            # (a reserve r keeps the first region's own peak within the budget less r, so its peak
+            # within the step within the budget less r plus the later regions' leaves and gradients)
+            later = [r for r in self.regions[before[0] + 1:] + [new] if before[0] in r.before]
+            need = max(self.reserve + peak - step_budget, sum(r.leaf_bytes + r.leaf_grad_bytes for r in later))
+            fix = (f"pass reserve={need} to remat.compiler (the region that starts the step then leaves that much "
+                   "free), " if j == before[0] and len(over) == 1 else "")
+            raise InfeasibleBudgetError(
+                f"remat.compiler: region {len(self.regions)} (after a graph break) brings "
+                f"{format_bytes_exact(resident)} of parameters and inputs, resident through the regions before it, and "
+                f"{format_bytes_exact(grads)} of gradients, alive through their backward; region {j}, planned "
+                f"before it, then peaks at {format_bytes_exact(peak)}, over the budget "
+                f"{format_bytes_exact(step_budget)}: raise the budget, {fix}or remove the graph break "
+                "(fullgraph=True shows where)", budget_bytes=step_budget, min_feasible_bytes=peak)
 
     def _ran(self, index: int, args: Any, out: Any) -> None:
         """Region `index` ran its forward: it is active until its backward runs."""
@@ -171,6 +245,7 @@ class RematCompiler:
         if not before or self.step_budget is None:   # (a region that starts the step)
             self.step_budget = parse_budget(self.budget, jg.graph)
         step_budget = self.step_budget
+        self._check_earlier(before, step_budget)
         # (the region that starts the step leaves `reserve` free for the regions after a graph
         # break: what it holds while they run is at most its own peak)
         budget = step_budget - held if before else step_budget - self.reserve
@@ -236,7 +311,7 @@ class RematCompiler:
                     f"{format_bytes_exact(held)} that region(s) {', '.join(map(str, before))} hold while it runs")
             log.info("remat.compiler: region %d %s", len(self.regions), note)
         ops = [n.name for v in jg.graph.nodes if v.id in recompute for n in jg.members[v.id]]
-        self.regions.append(Region(jg.graph, p, ops, prog, budget, tries, note, held))
+        self.regions.append(Region(jg.graph, p, ops, prog, budget, tries, note, held, tuple(before), *self._leaves))
         log.info("remat.compiler: region %d: %d nodes, %d ops recomputed, predicted peak %d bytes (budget %d)",
                  len(self.regions) - 1, jg.graph.n, len(ops), prog.peak_bytes, budget)
         return graphs
@@ -244,6 +319,7 @@ class RematCompiler:
     # -- the backend -------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list):
         self._held, self._held_from, self._passed = self.held(example_inputs)
+        self._leaves = self.leaves(example_inputs)
         n = len(self.regions)
         compiled = self._compile(gm, example_inputs)
         return self._tracked(compiled, n if len(self.regions) > n else None)
@@ -279,6 +355,9 @@ class RematCompiler:
                          + (" (its share)" if r.held_bytes else "") + ", "
                          f"overhead {r.predicted['overhead']:.3f}x, {r.plan.solver.get('status')}"
                          + (f" ({r.note})" if r.note else ""))
+        if len(self.regions) > 1:
+            lines.append(f"the step: predicted peak {format_bytes_exact(self.step_peak_bytes)} (each region with what the "
+                         "regions before it hold, and the later regions' parameters and gradients)")
         return "\n".join(lines) or "no region compiled yet"
 
 

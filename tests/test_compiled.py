@@ -280,6 +280,28 @@ class Broken(torch.nn.Module):
         return self.b(y).square().mean()
 
 
+def _compiled(model, x, budget: int, **options):
+    """A copy of `model` compiled with remat at `budget` (aot_eager), one step run: (copy, backend,
+    compiled)."""
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    rc = remat.compiler(budget, backend="aot_eager", time_limit=10, **options)
+    c = torch.compile(m, backend=rc)
+    _step(c, x)
+    return m, rc, c
+
+
+def _with_the_named_reserve(model, x, budget: int, error: str):
+    """Compile a copy of `model` at `budget` (aot_eager): the first step fails with `error`, whose
+    group is the reserve it names; compiled again with that reserve, one step runs.  Returns
+    (copy, backend, compiled)."""
+    import re
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=error) as err:
+        _step(torch.compile(copy.deepcopy(model), backend=remat.compiler(budget, backend="aot_eager", time_limit=10)), x)
+    return _compiled(model, x, budget, reserve=int(re.search(error, str(err.value), re.S).group(1)))
+
+
 def test_a_region_after_a_graph_break_is_planned_within_its_share(one_torch_thread):
     """The second region runs while the first holds what it saved, its parameters and the batch:
     it is planned within the budget less those bytes, so the step's measured peak is the largest
@@ -297,27 +319,19 @@ def test_a_region_after_a_graph_break_is_planned_within_its_share(one_torch_thre
     # what region 0 holds while region 1 runs: its saved values, its parameters and the batch
     own = sum(p.numel() * 4 for p in m.a.parameters()) + x.numel() * 4
     assert r1.held_bytes == r0.program.saved_bytes + own
-    keep_all = max(r0.program.peak_bytes, r1.held_bytes + r1.program.peak_bytes)
+    keep_all = rc.step_peak_bytes
     budget = int(0.85 * keep_all)
     m, rc, c = _compiled_like_eager(model, x, budget, eager, loss0, atol=1e-6)
     r0, r1 = rc.regions
     assert r1.budget_bytes == budget - r1.held_bytes and r1.recomputed_ops and "share" in rc.report()
-    predicted = max(r0.program.peak_bytes, r1.held_bytes + r1.program.peak_bytes)
+    predicted = rc.step_peak_bytes
     measured = _allocator_peak(c, m, x)
     assert measured <= budget
     assert measured == pytest.approx(predicted, rel=0.005)
     # a budget the first region takes for itself: the second's error names the reserve it needs
     tight = int(0.7 * keep_all)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"reserve=(\d+)") as err:
-        _step(torch.compile(copy.deepcopy(model), backend=remat.compiler(tight, backend="aot_eager", time_limit=10)), x)
-    import re
-    reserve = int(re.search(r"reserve=(\d+)", str(err.value)).group(1))
-    torch._dynamo.reset()
-    m = copy.deepcopy(model)
-    rc = remat.compiler(tight, backend="aot_eager", time_limit=10, reserve=reserve)
-    c = torch.compile(m, backend=rc)
-    _step(c, x)
+    m, rc, c = _with_the_named_reserve(model, x, tight, r"reserve=(\d+)")
     assert _allocator_peak(c, m, x) <= tight
     # a reserve the first region cannot leave: its error says the reserve took the room
     torch._dynamo.reset()
@@ -353,16 +367,53 @@ def test_a_regions_incoming_gradients_go_at_their_last_use(one_torch_thread):
     caller may and which this step drops once the loss is made."""
     torch.manual_seed(0)
     model, x = WideBreak().train(), torch.randn(2048, 64)
-    torch._dynamo.reset()
-    m = copy.deepcopy(model)
-    rc = remat.compiler(10 ** 9, backend="aot_eager", time_limit=10)
-    c = torch.compile(m, backend=rc)
-    _step(c, x)
+    m, rc, c = _compiled(model, x, 10 ** 9)
     r0, r1 = rc.regions
-    predicted = max(r0.program.peak_bytes, r1.held_bytes + r1.program.peak_bytes)
+    predicted = rc.step_peak_bytes
     assert predicted == r0.program.peak_bytes   # (the first region's backward sets the step's peak)
     outputs = 2048 * 256 * 4 + 2048 * 4          # (y and extra)
     assert _allocator_peak(c, m, x) == pytest.approx(predicted - outputs, abs=64)
+
+
+class HeavyTail(torch.nn.Module):
+    """Wide activations before a graph break, parameters heavy and activations light after it:
+    the first region's backward, with the second region's parameters and gradients alive, sets
+    the step's peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 2048)
+        self.down = torch.nn.Linear(2048, 64)
+        self.a = torch.nn.Linear(64, 4096)
+        self.b = torch.nn.Linear(4096, 256)
+
+    def forward(self, x):
+        h = self.down(torch.nn.functional.gelu(self.up(x)))
+        torch._dynamo.graph_break()
+        return self.b(self.a(h.mean(0, keepdim=True))).square().sum()
+
+
+def test_a_later_regions_parameters_and_gradients_count_in_the_earlier_regions(one_torch_thread):
+    """The second region's parameters are resident through the first region, and their gradients
+    through its backward, which was planned first: the step's prediction adds them to the first
+    region (`RematCompiler.step_peak_bytes`), and a budget they no longer fit fails the compile
+    naming the reserve that makes the first region leave room, within which the step runs."""
+    torch.manual_seed(0)
+    model, x = HeavyTail().train(), torch.randn(2048, 64)
+    m, rc, c = _compiled(model, x, 10 ** 9)
+    r0, r1 = rc.regions
+    tail = sum(p.numel() * 4 for p in list(m.a.parameters()) + list(m.b.parameters()))
+    assert (r1.leaf_bytes, r1.leaf_grad_bytes) == (tail, tail)
+    assert rc.step_peak_bytes == rc.region_peak(0) == r0.program.backward_peak_bytes + 2 * tail
+    measured = _allocator_peak(c, m, x)
+    assert measured > max(r0.program.peak_bytes, r1.held_bytes + r1.program.peak_bytes)   # (the regions alone)
+    # (the prediction holds the first region's output through its backward, as a caller may)
+    assert measured == pytest.approx(rc.step_peak_bytes - 2048 * 64 * 4, abs=64)
+    tight = rc.step_peak_bytes - 200_000
+    torch._dynamo.reset()
+    m, rc, c = _with_the_named_reserve(model, x, tight, r"gradients, alive through their backward.*reserve=(\d+)")
+    assert rc.step_peak_bytes <= tight and rc.regions[0].recomputed_ops
+    assert _allocator_peak(c, m, x) <= tight
 
 
 def test_a_transformers_model_trains_compiled_with_its_own_loss(one_torch_thread):
