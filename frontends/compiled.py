@@ -136,13 +136,35 @@ class OpTimes:
     convolution's unfolded input, a batch norm backward's temporaries, dropout's float mask; on
     CUDA ``max_memory_allocated``, outputs rounded to the allocator's blocks).  Otherwise, and for
     an op that cannot run alone, `FlopsModel`: its FLOP count and the bytes it reads and writes
-    at the device's measured rates, and the scratch known by rule (`_scratch`)."""
+    at the device's measured rates, and the scratch known by rule (`_scratch`).
+
+    `limit_bytes` (the step's budget, where known): the ops are timed while the step's first call
+    runs (a region is compiled at its first run, the regions before it holding what they hold),
+    and an op's made-up inputs are copies, beside the real ones; on CUDA an op whose inputs,
+    outputs and scratch would take the device over the limit is not run, and its model stands in
+    (not cached: the op is timed when it fits), so the first call stays within the budget.  On a
+    CPU there is no cheap figure of the live bytes, and every op is run."""
 
     _cache: dict = {}
 
-    def __init__(self, device: torch.device, measure: bool = True, flops_model: FlopsModel | None = None):
+    def __init__(self, device: torch.device, measure: bool = True, flops_model: FlopsModel | None = None,
+                 limit_bytes: int | None = None):
         self.device, self.measure = torch.device(device), measure
         self.fm = flops_model or FlopsModel.measured(self.device)
+        self.limit_bytes = limit_bytes
+
+    @staticmethod
+    def live_bytes(device: torch.device) -> int | None:
+        """Bytes allocated on `device` now (CUDA's allocator), None where unknown (a CPU)."""
+        return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+    def fits(self, n: fx.Node) -> bool:
+        """Running `n` on made-up tensors keeps the device within `limit_bytes` (class docstring)."""
+        live = self.live_bytes(self.device) if self.limit_bytes is not None else None
+        if live is None:
+            return True
+        need = sum(_nbytes(t) for a in n.all_input_nodes for t in _tensors(a.meta.get("val")))
+        return live + need + sum(_nbytes(t) for t in _tensors(n.meta.get("val"))) + _scratch(n) <= self.limit_bytes
 
     def modelled(self, n: fx.Node) -> float:
         read = sum(t.numel() * t.element_size() for a in n.all_input_nodes for t in _tensors(a.meta.get("val")))
@@ -166,6 +188,8 @@ class OpTimes:
         args, kwargs = fx.node.map_aggregate(args, val), fx.node.map_aggregate(n.kwargs, val)
         key = (str(op), str(self.device), _signature(args), _signature(kwargs))
         if key not in self._cache:
+            if not self.fits(n):
+                return self.modelled(n), _scratch(n)
             try:
                 self._cache[key] = self._run(op, args, kwargs)
             except Exception:  # noqa: BLE001  (an op that cannot run on made-up values: its model)

@@ -147,6 +147,12 @@ class RematCompiler:
                     grads += nbytes
         return resident, grads
 
+    def _absolute_budget(self) -> int | None:
+        """The budget in bytes when it is not relative to a region's keep-all peak."""
+        if isinstance(self.budget, str) and self.budget.strip().lower().endswith("x"):
+            return None
+        return parse_budget(self.budget)
+
     def region_peak(self, j: int, new: "Region | None" = None) -> int:
         """Region j's peak within the step (`Region.step_peak`), with the regions compiled after
         it that ran while it was active (and `new`, one being compiled)."""
@@ -239,7 +245,10 @@ class RematCompiler:
         if functorch_config.cse:   # (the partitioner's own first pass: plan the graph it partitions)
             gm.graph = fx_graph_cse(gm.graph)
         gm.recompile()
-        times = OpTimes(region_device(gm), measure=self.profile == "measure", flops_model=self.flops_model)
+        # (ops are timed during the step's first call: within the budget where it is known already)
+        known = self.step_budget if self._held_from else self._absolute_budget()
+        times = OpTimes(region_device(gm), measure=self.profile == "measure", flops_model=self.flops_model,
+                        limit_bytes=known)
         jg = joint_graph(gm, num_fwd, name=f"region{len(self.regions)}", times=times)
         held, before = self._held, self._held_from
         if not before or self.step_budget is None:   # (a region that starts the step)

@@ -184,6 +184,28 @@ def test_decomposed_steps_draw_the_random_numbers_of_torch_compiles_own_step(ref
     assert measured <= region.budget_bytes * 1.02
 
 
+def test_ops_are_timed_only_where_their_made_up_tensors_fit_the_budget(monkeypatch):
+    """Ops are timed during the step's first call on copies of their inputs: where the device's
+    live bytes (CUDA's allocator) and the op's inputs, outputs and scratch exceed the step's
+    budget, its model stands in, uncached, and the op is timed once it fits."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from remat.frontends.compiled import OpTimes
+    gm = make_fx(lambda a, b: torch.mm(a, b) * 3, tracing_mode="fake")(torch.randn(64, 96), torch.randn(96, 80))
+    mm = next(n for n in gm.graph.nodes if n.op == "call_function" and "mm" in str(n.target))
+    need = (64 * 96 + 96 * 80 + 64 * 80) * 4
+    OpTimes._cache.clear()
+    times = OpTimes(torch.device("cpu"), limit_bytes=10 ** 6)
+    monkeypatch.setattr(OpTimes, "live_bytes", staticmethod(lambda device: 10 ** 6 - need + 1))
+    assert not times.fits(mm) and times(mm) == times.modelled(mm) and not OpTimes._cache
+    monkeypatch.setattr(OpTimes, "live_bytes", staticmethod(lambda device: 10 ** 6 - need))
+    assert times.fits(mm)
+    times(mm)
+    assert len(OpTimes._cache) == 1
+    # (on a CPU the live bytes are unknown: every op is run)
+    monkeypatch.undo()
+    assert OpTimes.live_bytes(torch.device("cpu")) is None and OpTimes(torch.device("cpu"), limit_bytes=1).fits(mm)
+
+
 def test_the_backend_says_what_is_wrong():
     with pytest.raises(InvalidInputError, match="backend"):
         remat.compiler("0.5x", backend="cudagraphs")
