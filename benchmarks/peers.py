@@ -195,6 +195,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="0.1,0.3,0.5,0.7,0.9", help="activation_memory_budget values")
     ap.add_argument("--solvers", default="dp,ilp", help="activation_memory_budget_solver values")
     ap.add_argument("--inductor", action="store_true", help="also the inductor backend (C++ compile: slow)")
+    ap.add_argument("--backends", default=None,
+                    help="the compile backends, comma-separated (default aot_eager_decomp_partition, and inductor "
+                         "with --inductor)")
     ap.add_argument("--remat-compiled", action="store_true",
                     help="also remat.compiler on each compile backend, at 1x and at every compile row's peak")
     ap.add_argument("--only-compile", action="store_true",
@@ -289,7 +292,8 @@ def main(argv=None) -> int:
             print(f"{'':<40} predicted peak {row['predicted_peak_bytes'] / row['peak_bytes']:.3f}x of measured; "
                   f"{row['note']}", flush=True)
 
-    backends = ["aot_eager_decomp_partition"] + (["inductor"] if args.inductor else [])
+    backends = (args.backends.split(",") if args.backends
+                else ["aot_eager_decomp_partition"] + (["inductor"] if args.inductor else []))
     import torch._functorch.config as fconfig
     import torch._inductor.config as iconfig
     for backend in backends:
