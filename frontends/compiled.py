@@ -28,7 +28,7 @@ share of the budget, first come, first served (``remat.compiling``: the regions 
 part of the budget, the later ones' parameters and gradients are added to it when they are
 compiled); inductor's own kernels and buffers are not modelled: its fusions make fewer buffers
 than the joint graph has ops (measured under the prediction on an MLP and a GPT-2), but its
-convolutions measured 3.6-5.5 % above it on a ResNet-50 (``remat.compiling`` warns).
+convolutions measured 3.7-5.4 % above it on a ResNet-50 (``remat.compiling`` warns).
 """
 from __future__ import annotations
 

@@ -325,7 +325,7 @@ class RematCompiler:
                  len(self.regions) - 1, jg.graph.n, len(ops), prog.peak_bytes, budget)
         if self.backend == "inductor" and convolutions(gm):
             log.warning("remat.compiler: region %d has convolutions, and with inductor the measured peak of a "
-                        "convolutional step was 3.6-5.5 %% above the prediction (torchvision ResNet-50 on a CPU: "
+                        "convolutional step was 3.7-5.4 %% above the prediction (torchvision ResNet-50 on a CPU: "
                         "inductor's convolution kernels and buffers are not the replayed graphs'); for a budget "
                         "that holds, use backend='aot_eager' or plan with that margin", len(self.regions) - 1)
         return graphs

@@ -207,7 +207,7 @@ def test_ops_are_timed_only_where_their_made_up_tensors_fit_the_budget(monkeypat
 
 
 def test_a_convolutional_region_compiled_by_inductor_is_named_as_measured_above_its_prediction(caplog):
-    """With inductor a convolutional step measured 3.6-5.5 % above the prediction (torchvision
+    """With inductor a convolutional step measured 3.7-5.4 % above the prediction (torchvision
     ResNet-50): such a region gets a warning saying so; a region without convolutions does not."""
     import logging
     from torch.fx.experimental.proxy_tensor import make_fx
