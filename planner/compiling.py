@@ -15,7 +15,7 @@ step (with nothing held) and shared in bytes by the regions after it.  A later r
 parameters, buffers and batch tensors are resident through the earlier regions too, and its
 parameters' gradients, made in its backward, through theirs: the earlier plans were made first,
 so these bytes are added to the earlier regions' peaks when the later region is compiled
-(`Region.step_peak_bytes`), and a step they take over the budget fails there, naming the reserve
+(`Region.step_peak`), and a step they take over the budget fails there, naming the reserve
 that makes the first region leave room.  `RematCompiler.report` names each region's share and
 the step's predicted peak (`RematCompiler.step_peak_bytes`).
 """
@@ -97,9 +97,8 @@ class RematCompiler:
             raise NotImplementedError("remat.compiler: swap (activation offloading) plans are not implemented for "
                                       "compiled regions yet; plan with swap=False or use remat.apply")
         options.pop("swap", None)
-        if not (isinstance(budget, str) and budget.strip().lower().endswith("x")):
-            parse_budget(budget)   # (a bad budget fails here, not inside the compile)
         self.budget, self.backend, self.solver, self.time_limit = budget, backend, solver, time_limit
+        self._absolute_budget()   # (a bad budget fails here, not inside the compile)
         if profile not in ("measure", "flops"):
             raise InvalidInputError(f"remat.compiler: profile must be 'measure' or 'flops', got {profile!r}")
         self.profile, self.flops_model, self.options = profile, flops_model, options
@@ -153,11 +152,14 @@ class RematCompiler:
             return None
         return parse_budget(self.budget)
 
+    def _later(self, j: int, new: "Region | None" = None) -> list:
+        """The regions compiled after region j that ran while it was active (and `new`, one being
+        compiled)."""
+        return [r for r in self.regions[j + 1:] + ([new] if new is not None else []) if j in r.before]
+
     def region_peak(self, j: int, new: "Region | None" = None) -> int:
-        """Region j's peak within the step (`Region.step_peak`), with the regions compiled after
-        it that ran while it was active (and `new`, one being compiled)."""
-        later = [r for r in self.regions[j + 1:] + ([new] if new is not None else []) if j in r.before]
-        return self.regions[j].step_peak(later)
+        """Region j's peak within the step (`Region.step_peak`) with the regions `_later` than it."""
+        return self.regions[j].step_peak(self._later(j, new))
 
     @property
     def step_peak_bytes(self) -> int:
@@ -178,8 +180,8 @@ class RematCompiler:
             peak, j = max(over)
             # (a reserve r keeps the first region's own peak within the budget less r, so its peak
             # within the step within the budget less r plus the later regions' leaves and gradients)
-            later = [r for r in self.regions[before[0] + 1:] + [new] if before[0] in r.before]
-            need = max(self.reserve + peak - step_budget, sum(r.leaf_bytes + r.leaf_grad_bytes for r in later))
+            need = max(self.reserve + peak - step_budget,
+                       sum(r.leaf_bytes + r.leaf_grad_bytes for r in self._later(before[0], new)))
             fix = (f"pass reserve={need} to remat.compiler (the region that starts the step then leaves that much "
                    "free), " if j == before[0] and len(over) == 1 else "")
             raise InfeasibleBudgetError(
