@@ -206,9 +206,10 @@ def test_ops_are_timed_only_where_their_made_up_tensors_fit_the_budget(monkeypat
     assert OpTimes.live_bytes(torch.device("cpu")) is None and OpTimes(torch.device("cpu"), limit_bytes=1).fits(mm)
 
 
-def test_a_convolutional_region_compiled_by_inductor_is_named_as_measured_above_its_prediction(caplog):
+def test_the_regions_inductor_warns_about_are_those_with_convolutions(caplog):
     """With inductor a convolutional step measured 3.7-5.4 % above the prediction (torchvision
-    ResNet-50): such a region gets a warning saying so; a region without convolutions does not."""
+    ResNet-50): `convolutions` finds such a region (the warning itself is inductor's path, not
+    compiled here); with aot_eager, whose replay is what runs, no warning."""
     import logging
     from torch.fx.experimental.proxy_tensor import make_fx
     from remat.compiling import convolutions
