@@ -7,10 +7,12 @@ Given the set R of forward nodes tagged *recompute* (every other forward node is
 * a forward graph that computes, in the joint graph's order, the forward nodes the model's
   outputs or the saved values need, each value freed after its last use there unless it is
   saved (a forward node a backward node or a node of R reads) or returned;
-* a backward graph that runs the backward nodes in the joint graph's order and, before each,
-  the nodes of R it needs (through R: saved values are there already) that it has not computed
-  yet, in the joint order (``reordering_to_mimic_autograd_engine``); each value freed after its
-  last use.
+* a backward graph that walks the backward nodes in the joint graph's order and, before each,
+  runs the nodes of R it needs (through R: saved values are there already) that it has not
+  computed yet, in the joint order (``reordering_to_mimic_autograd_engine``); a node of R that
+  sits among the backward ops in the joint graph (``extra["follows"]``: the backward node
+  before it; a decomposed max-pool backward's zeros, say) is walked to there, not at its first
+  use; each value freed after its last use.
 
 So each forward node runs at most twice: once in the forward, once (if in R) in the backward.
 `compiled_schedule` writes that program as a `Schedule`, which `simulate` then prices: the
@@ -82,9 +84,25 @@ def compiled_schedule(graph: Graph, recompute: set[int]) -> Schedule:
                 need.add(p)
                 stack.append(p)
     seq = sorted(with_parts(graph, need)) + [loss]
+    # the backward's walk: each backward node, and each node of R that sits among the backward
+    # ops in the joint graph (``extra["follows"]``: the backward node before it), with what it
+    # needs of R not computed yet
+    follows: dict[int, list[int]] = {}
+    for u in sorted(R):
+        f = nodes[u].extra.get("follows")
+        if f is not None and nodes[u].part_of is None:
+            follows.setdefault(f, []).append(u)
     done: set[int] = set()
-    for b in bwd:
-        want, stack = set(), [p for p in preds[b] if p in R and p not in done]
+    walk: list[int] = []
+    for i, b in enumerate(bwd):
+        walk.append(b)
+        if i + 1 == len(bwd) or graph.op_of[bwd[i + 1]] != graph.op_of[b]:   # (after the op's last part)
+            walk.extend(follows.get(graph.op_of[b], []))
+    for w in walk:
+        if w in done:
+            continue
+        want: set[int] = set()
+        stack = [w] if w in R else [p for p in preds[w] if p in R and p not in done]
         while stack:
             u = stack.pop()
             if u in want:
@@ -94,7 +112,8 @@ def compiled_schedule(graph: Graph, recompute: set[int]) -> Schedule:
         for u in sorted(with_parts(graph, want)):
             seq.append(u)
             done.add(u)
-        seq.append(b)
+        if w not in R:
+            seq.append(w)
     # frees: each computed instance after its last reader before the node's next compute
     ops: list[Op] = []
     instances: list[tuple[int, int, int]] = []   # (node, compute position, last use position)
@@ -120,9 +139,13 @@ def compiled_schedule(graph: Graph, recompute: set[int]) -> Schedule:
 
 
 def program(graph: Graph, recompute: set[int]) -> tuple[Schedule, SimResult]:
-    """`compiled_schedule(graph, recompute)` and its simulation."""
+    """`compiled_schedule(graph, recompute)` and its simulation (a program the simulator rejects
+    is this module's error, raised: never priced)."""
     sched = compiled_schedule(graph, recompute)
-    return sched, simulate(graph, sched)
+    res = simulate(graph, sched)
+    if not res.valid:
+        raise RuntimeError(f"remat.core.compiled: the program of a tag set is not a valid schedule ({res.violation})")
+    return sched, res
 
 
 def over(graph: Graph, recompute: set[int], budget_bytes: int) -> tuple[float, int, float, set[int]]:

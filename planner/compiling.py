@@ -33,7 +33,8 @@ from torch.utils._pytree import tree_flatten
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.core.graph import Graph
 from remat.core.units import format_bytes_exact
-from remat.frontends.compiled import BACKENDS, OpTimes, Program, joint_graph, program, region_device, tag
+from remat.frontends.compiled import (BACKENDS, OpTimes, Program, inductor_channels_last, joint_graph, layout_copies,
+                                     program, region_device, tag)
 from remat.frontends.measuring import storage_key
 from remat.frontends.profile import FlopsModel
 
@@ -250,8 +251,11 @@ class RematCompiler:
         # (ops are timed during the step's first call: within the budget where it is known already)
         known = self.step_budget if self._held_from else self._absolute_budget()
         times = OpTimes(region_device(gm), measure=self.profile == "measure", flops_model=self.flops_model,
-                        limit_bytes=known)
-        jg = joint_graph(gm, num_fwd, name=f"region{len(self.regions)}", times=times)
+                        limit_bytes=known, codegen=self.backend == "inductor",
+                        channels_last=self.backend == "inductor" and inductor_channels_last(gm))
+        inductor = self.backend == "inductor"
+        jg = joint_graph(gm, num_fwd, name=f"region{len(self.regions)}", times=times,
+                         copy_bytes=sum(layout_copies(gm).values()) if inductor else 0)
         held, before = self._held, self._held_from
         if not before or self.step_budget is None:   # (a region that starts the step)
             self.step_budget = parse_budget(self.budget, jg.graph)
@@ -267,7 +271,7 @@ class RematCompiler:
                 f"{', '.join(map(str, before))} before it, and its own parameters and inputs take "
                 f"{format_bytes_exact(jg.graph.fixed_bytes)} more: raise the budget, or remove the graph break "
                 "(fullgraph=True shows where)", budget_bytes=step_budget, min_feasible_bytes=held + jg.graph.fixed_bytes)
-        target, tries, best = budget, [], None
+        target, tries, best, joint = budget, [], None, gm.graph
         for _ in range(TRIES):
             try:
                 p = make_plan(jg.graph, target, self.solver, swap=False, time_limit=self.time_limit,
@@ -299,8 +303,11 @@ class RematCompiler:
             names = set(p.predicted.get("recomputed", []))
             recompute = {v.id for v in jg.graph.nodes if v.name in names}
             tag(jg, recompute)
+            # (the partitioner's common-subexpression pass puts a copy of the graph in `gm`, tagged
+            # as this try tagged it: every try partitions the graph `jg` was made of)
+            gm.graph = joint
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
-            prog = program(fw, bw, num_fwd, times)
+            prog = program(fw, bw, num_fwd, times, copies=layout_copies(fw) if inductor else None)
             tries.append({"budget_bytes": target, "planned_peak_bytes": p.predicted["peak_bytes"],
                           "peak_bytes": prog.peak_bytes})
             if best is None or prog.peak_bytes < best[3].peak_bytes or prog.peak_bytes <= budget:
@@ -325,11 +332,6 @@ class RematCompiler:
         self.regions.append(Region(jg.graph, p, ops, prog, budget, tries, note, held, tuple(before), *self._leaves))
         log.info("remat.compiler: region %d: %d nodes, %d ops recomputed, predicted peak %d bytes (budget %d)",
                  len(self.regions) - 1, jg.graph.n, len(ops), prog.peak_bytes, budget)
-        if self.backend == "inductor" and convolutions(gm):
-            log.warning("remat.compiler: region %d has convolutions, and with inductor the measured peak of a "
-                        "convolutional step was 3.7-5.4 %% above the prediction (torchvision ResNet-50 on a CPU: "
-                        "inductor's convolution kernels and buffers are not the replayed graphs'); for a budget "
-                        "that holds, use backend='aot_eager' or plan with that margin", len(self.regions) - 1)
         return graphs
 
     # -- the backend -------------------------------------------------------------------------
@@ -375,11 +377,6 @@ class RematCompiler:
             lines.append(f"the step: predicted peak {format_bytes_exact(self.step_peak_bytes)} (each region with what the "
                          "regions before it hold, and the later regions' parameters and gradients)")
         return "\n".join(lines) or "no region compiled yet"
-
-
-def convolutions(gm: fx.GraphModule) -> bool:
-    """`gm` runs a convolution (whose inductor kernels' memory the replay does not follow)."""
-    return any(n.op == "call_function" and "convolution" in str(n.target) for n in gm.graph.nodes)
 
 
 def _partitioner(owner: RematCompiler):
