@@ -10,8 +10,12 @@ meter, `remat.measure(meter="allocator")`, which sees inside compiled code and k
   a warning inside ``loss_function`` on every call for this class, a graph break before the loss:
   run as it is (two regions, the second needs ``reserve=``) and with ``model.loss_type =
   "ForCausalLM"`` (one region);
-* ``resnet18-bn``: the zoo's ResNet-18 (batch 8, 64 px; batch norm, in-place ReLUs) with
-  ``out.square().mean()`` inside the region.
+* ``resnet18-bn``: the zoo's ResNet-18 (batch 8, 64 px unless ``--resnet BATCH,PX``; batch
+  norm, in-place ReLUs) with ``out.square().mean()`` inside the region.
+
+``--backend`` (default aot_eager): the backend remat's partition is compiled by; with
+``inductor`` the prediction models inductor's channels-last copies and kernels
+(`remat.frontends.compiled`).
 
 For each budget (a fraction of the step's keep-all compiled peak, measured first with a budget
 nothing constrains): the budget, each region's share and predicted peak, the step's predicted
@@ -20,6 +24,7 @@ later regions' parameters and gradients), the measured peak, and whether loss an
 gradients equal eager autograd's.
 
     python benchmarks/compiled_regions.py [--cases broken-mlp,hf-gpt2,resnet18-bn] [--budgets 0.9,0.8,0.7]
+        [--backend inductor] [--resnet 32,128]
 """
 from __future__ import annotations
 
@@ -68,6 +73,9 @@ class SquareLoss(torch.nn.Module):
         return self.net(x).square().mean()
 
 
+RESNET = (8, 64)   # (batch, pixels) of the resnet18-bn case (`--resnet`)
+
+
 def case(name: str):
     """(model, batch as kwargs, the tensors the loop holds)."""
     torch.manual_seed(0)
@@ -75,7 +83,7 @@ def case(name: str):
         x = torch.randn(2048, 64)
         return Halves().train(), {"x": x}, [x]
     if name == "resnet18-bn":
-        m, x = zoo.get("resnet18", batch=8, image_size=64)
+        m, x = zoo.get("resnet18", batch=RESNET[0], image_size=RESNET[1])
         x = x[0] if isinstance(x, tuple) else x
         return SquareLoss(m).train(), {"x": x}, [x]
     from remat.frontends import vision
@@ -100,13 +108,14 @@ def step(model, batch):
     return loss.detach()
 
 
-def run(name: str, fraction: float | None, budget: int, reserve: int = 0) -> tuple[dict, str | None]:
+def run(name: str, fraction: float | None, budget: int, reserve: int = 0,
+        backend: str = "aot_eager") -> tuple[dict, str | None]:
     model, batch, held = case(name)
     eager = copy.deepcopy(model)
     loss0 = step(eager, batch)
     torch._dynamo.reset()
     m = copy.deepcopy(model)
-    rc = remat.compiler(budget, backend="aot_eager", time_limit=10, reserve=reserve)
+    rc = remat.compiler(budget, backend=backend, time_limit=10, reserve=reserve)
     c = torch.compile(m, backend=rc)
     try:
         loss = step(c, batch)
@@ -132,22 +141,27 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="broken-mlp,hf-gpt2,hf-gpt2-one-region,resnet18-bn")
     ap.add_argument("--budgets", default="0.9,0.8,0.7", help="fractions of the step's keep-all compiled peak")
+    ap.add_argument("--backend", default="aot_eager", choices=("aot_eager", "aot_eager_decomp_partition", "inductor"))
+    ap.add_argument("--resnet", default="8,64", help="batch,pixels of the resnet18-bn case")
     ap.add_argument("-o", "--output", default=str(Path(__file__).resolve().parent / "results" / "compiled-regions.csv"))
     args = ap.parse_args(argv)
+    global RESNET
+    RESNET = tuple(int(v) for v in args.resnet.split(","))
     torch.set_num_threads(1)
     rows = []
+    how = {"backend": args.backend}
     for name in args.cases.split(","):
-        top, _ = run(name, None, 10 ** 12)
+        top, _ = run(name, None, 10 ** 12, **how)
         keep_all = top["predicted_peak_bytes"]
         top.update(fraction=1.0, budget_bytes=keep_all, within_budget=top["peak_bytes"] <= keep_all)
         rows.append(top)
         print(name, top, flush=True)
         for f in (float(b) for b in args.budgets.split(",")):
-            row, reserve = run(name, f, int(f * keep_all))
+            row, reserve = run(name, f, int(f * keep_all), **how)
             if reserve is not None:   # (what the error names, tried once)
                 rows.append(row)
                 print(name, row, flush=True)
-                row, _ = run(name, f, int(f * keep_all), int(reserve))
+                row, _ = run(name, f, int(f * keep_all), int(reserve), **how)
             rows.append(row)
             print(name, row, flush=True)
     write_csv(args.output, COLUMNS, rows)
