@@ -285,7 +285,7 @@ def main(argv=None) -> int:
                 print(f"remat-compiled-{backend}@{label}: {type(e).__name__}: {str(e).splitlines()[-1]}", flush=True)
                 continue
             pr = [r.predicted for r in rc.regions]
-            row["predicted_peak_bytes"] = max(p["peak_bytes"] for p in pr)
+            row["predicted_peak_bytes"] = rc.step_peak_bytes   # (the replay of what the partitioner built)
             row["note"] = (f"{len(rc.regions)} region(s), predicted {pr[0]['overhead']:.3f}x, "
                            f"{sum(len(r.recomputed_ops) for r in rc.regions)} ops recomputed, "
                            f"{rc.regions[0].plan.solver.get('status')}")
