@@ -149,19 +149,18 @@ def main(argv=None) -> int:
     RESNET = tuple(int(v) for v in args.resnet.split(","))
     torch.set_num_threads(1)
     rows = []
-    how = {"backend": args.backend}
     for name in args.cases.split(","):
-        top, _ = run(name, None, 10 ** 12, **how)
+        top, _ = run(name, None, 10 ** 12, backend=args.backend)
         keep_all = top["predicted_peak_bytes"]
         top.update(fraction=1.0, budget_bytes=keep_all, within_budget=top["peak_bytes"] <= keep_all)
         rows.append(top)
         print(name, top, flush=True)
         for f in (float(b) for b in args.budgets.split(",")):
-            row, reserve = run(name, f, int(f * keep_all), **how)
+            row, reserve = run(name, f, int(f * keep_all), backend=args.backend)
             if reserve is not None:   # (what the error names, tried once)
                 rows.append(row)
                 print(name, row, flush=True)
-                row, _ = run(name, f, int(f * keep_all), int(reserve), **how)
+                row, _ = run(name, f, int(f * keep_all), int(reserve), backend=args.backend)
             rows.append(row)
             print(name, row, flush=True)
     write_csv(args.output, COLUMNS, rows)

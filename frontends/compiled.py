@@ -221,7 +221,7 @@ class OpTimes:
             return self.modelled(n), _scratch(n)
         val = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
         args, kwargs = fx.node.map_aggregate(args, val), fx.node.map_aggregate(n.kwargs, val)
-        cl = self.channels_last and str(op).startswith(("aten.convolution.", "aten.convolution_backward."))
+        cl = self.channels_last and str(op).startswith(CONVOLUTIONS)
         key = (str(op), str(self.device), _signature(args), _signature(kwargs), cl)
         if key not in self._cache:
             if not self.fits(n):
@@ -250,8 +250,8 @@ class OpTimes:
 
 
 # ops inductor lowers to a call of ATen's (or a library's) kernel, not to generated code
-EXTERN = ("aten.convolution.", "aten.convolution_backward.", "aten.mm.", "aten.addmm.", "aten.bmm.",
-          "aten.baddbmm.", "aten._int_mm.")
+CONVOLUTIONS = ("aten.convolution.", "aten.convolution_backward.")
+EXTERN = CONVOLUTIONS + ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._int_mm.")
 
 
 def inductor_generates(n: fx.Node) -> bool:
@@ -313,7 +313,7 @@ class JointGraph:
     members: list = field(default_factory=list)
 
 
-def layout_copies(gm: fx.GraphModule) -> dict[int, int]:
+def layout_copies(gm: fx.GraphModule, channels_last: bool | None = None) -> dict[int, int]:
     """The inputs of graph `gm` that inductor's layout optimization copies to channels-last
     memory order when it compiles `gm`: storage key -> bytes.
 
@@ -324,8 +324,9 @@ def layout_copies(gm: fx.GraphModule) -> dict[int, int]:
     partitioner saves that input for the backward, inductor hands the backward the copy.  The
     copies are as large as the inputs: a convolutional network's weights once more, and its
     batch (the zoo ResNet-18 at 128 px: 4.2 MiB over a 16.6 MiB replay).  A 1x1 weight is in
-    both orders at once: no copy."""
-    if not inductor_channels_last(gm):
+    both orders at once: no copy.  `channels_last`: inductor's decision for `gm`
+    (`inductor_channels_last`), where the caller has it already."""
+    if not (inductor_channels_last(gm) if channels_last is None else channels_last):
         return {}
     copies: dict[int, int] = {}
     for n in gm.graph.nodes:
@@ -606,9 +607,9 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     for n in bw.graph.nodes:
         if n.op == "placeholder":
             for t in _tensors(n.meta.get("val")):
-                if storage_key(t) in copies or (storage_key(t) not in fixed and storage_key(t) not in held
-                                                and storage_key(t) not in start):
-                    start[storage_key(t)] = _nbytes(t)
+                k = storage_key(t)
+                if k in copies or (k not in fixed and k not in held and k not in start):
+                    start[k] = _nbytes(t)
                     tangents += _nbytes(t) if n.name.startswith("tangents") else 0
     # what the forward hands the backward: the backward's inputs but the tangents (a recomputed
     # random op's generator state among them: 5,056 bytes on a CPU)

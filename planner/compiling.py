@@ -250,12 +250,12 @@ class RematCompiler:
         gm.recompile()
         # (ops are timed during the step's first call: within the budget where it is known already)
         known = self.step_budget if self._held_from else self._absolute_budget()
-        times = OpTimes(region_device(gm), measure=self.profile == "measure", flops_model=self.flops_model,
-                        limit_bytes=known, codegen=self.backend == "inductor",
-                        channels_last=self.backend == "inductor" and inductor_channels_last(gm))
         inductor = self.backend == "inductor"
+        channels_last = inductor and inductor_channels_last(gm)
+        times = OpTimes(region_device(gm), measure=self.profile == "measure", flops_model=self.flops_model,
+                        limit_bytes=known, codegen=inductor, channels_last=channels_last)
         jg = joint_graph(gm, num_fwd, name=f"region{len(self.regions)}", times=times,
-                         copy_bytes=sum(layout_copies(gm).values()) if inductor else 0)
+                         copy_bytes=sum(layout_copies(gm, channels_last).values()))
         held, before = self._held, self._held_from
         if not before or self.step_budget is None:   # (a region that starts the step)
             self.step_budget = parse_budget(self.budget, jg.graph)
