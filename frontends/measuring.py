@@ -76,7 +76,27 @@ class StorageTracker(TorchDispatchMode):
     not); `uid` gives the uid of a live tensor's storage.  Storages already alive when first seen
     as an op output (views of parameters, say) are counted from that moment; pass them to
     `ignore` to leave them out.
+
+    Compiled code (``torch.compile``) runs eagerly while the tracker is active, op by op, so what
+    it counts is the eager step's storages.  It is entered with ``torch.compiler.set_stance(
+    "force_eager")``: dynamo meeting a frame under a dispatch mode would otherwise mark the
+    frame's code as never to compile again, and the module would run eagerly ever after.
     """
+
+    def __enter__(self) -> "StorageTracker":
+        self._stance = torch.compiler.set_stance("force_eager")
+        self._stance.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._stance.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._stance.__exit__(None, None, None)
 
     def __init__(self, record_events: bool = False):
         super().__init__()
@@ -482,7 +502,8 @@ def measure(step_fn: Callable[[], Any], device: "str | torch.device | None" = No
     tensors are not device bytes (the executor takes them outside the accounting).  The time
     on the CPU includes the accounting's per-op overhead: compare ratios of times measured the
     same way.  ``meter="allocator"`` (CPU): `allocator_peak` instead, which also sees inside
-    compiled code (`StorageTracker`'s dispatch mode makes a compiled module run eagerly) and
+    compiled code (under `StorageTracker`'s dispatch mode a compiled module runs eagerly, for
+    that call only) and
     counts every CPU allocation, host buffers included.
     """
     if meter not in METERS:

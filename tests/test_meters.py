@@ -51,6 +51,19 @@ def test_allocator_meter_sees_inside_compiled_code_and_leaves_it_compiled():
     assert compiled_calls(lambda: step(compiled)) > 0  # still compiled afterwards
 
 
+def test_storage_meter_runs_compiled_code_eagerly_for_that_call_only():
+    # (dynamo meeting a frame under a dispatch mode marks its code never to compile again)
+    model, x, step = mlp_step()
+    resident = list(model.parameters()) + [x]
+    eager = measure(lambda: step(model), "cpu", resident, meter="storage").peak_bytes
+    compiled = torch.compile(model, backend="aot_eager")
+    step(compiled)
+    assert compiled_calls(lambda: step(compiled)) > 0
+    peak = measure(lambda: step(compiled), "cpu", resident, meter="storage").peak_bytes
+    assert peak == eager   # counted op by op, as the eager step
+    assert compiled_calls(lambda: step(compiled)) > 0   # compiled again afterwards
+
+
 def test_unknown_meter_is_an_error():
     with pytest.raises(ValueError, match="meter"):
         measure(lambda: None, "cpu", meter="nvml")
