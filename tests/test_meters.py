@@ -39,29 +39,20 @@ def test_allocator_meter_equals_storage_accounting_on_an_eager_step():
     assert storage > sum(p.numel() * 4 for p in model.parameters()) + x.numel() * 4 + 2 * 32 * 64 * 4
 
 
-def test_allocator_meter_sees_inside_compiled_code_and_leaves_it_compiled():
+@pytest.mark.parametrize("meter", ["allocator", "storage"])
+def test_a_meter_measures_compiled_code_as_its_eager_step_and_leaves_it_compiled(meter):
+    # allocator: sees inside compiled code; aot_eager runs the same ATen ops, so the same bytes.
+    # storage: runs the compiled code eagerly for its own call (dynamo meeting a frame under a
+    # dispatch mode would mark its code never to compile again)
     model, x, step = mlp_step()
     resident = list(model.parameters()) + [x]
-    eager = measure(lambda: step(model), "cpu", resident, meter="allocator").peak_bytes
+    eager = measure(lambda: step(model), "cpu", resident, meter=meter).peak_bytes
     compiled = torch.compile(model, backend="aot_eager")
     step(compiled)
     assert compiled_calls(lambda: step(compiled)) > 0
-    peak = measure(lambda: step(compiled), "cpu", resident, meter="allocator").peak_bytes
-    assert peak == eager  # aot_eager runs the same ATen ops, so the same bytes
+    peak = measure(lambda: step(compiled), "cpu", resident, meter=meter).peak_bytes
+    assert peak == eager
     assert compiled_calls(lambda: step(compiled)) > 0  # still compiled afterwards
-
-
-def test_storage_meter_runs_compiled_code_eagerly_for_that_call_only():
-    # (dynamo meeting a frame under a dispatch mode marks its code never to compile again)
-    model, x, step = mlp_step()
-    resident = list(model.parameters()) + [x]
-    eager = measure(lambda: step(model), "cpu", resident, meter="storage").peak_bytes
-    compiled = torch.compile(model, backend="aot_eager")
-    step(compiled)
-    assert compiled_calls(lambda: step(compiled)) > 0
-    peak = measure(lambda: step(compiled), "cpu", resident, meter="storage").peak_bytes
-    assert peak == eager   # counted op by op, as the eager step
-    assert compiled_calls(lambda: step(compiled)) > 0   # compiled again afterwards
 
 
 def test_unknown_meter_is_an_error():
