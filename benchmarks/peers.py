@@ -282,7 +282,9 @@ def main(argv=None) -> int:
                     row = record(f"remat-compiled-{backend}@{label}", f"remat-compiled-{backend}", m,
                                  eager(torch.compile(m, backend=rc)), warmup=2, reference=reference)
             except Exception as e:  # noqa: BLE001 - a budget that does not fit is a row's note
-                print(f"remat-compiled-{backend}@{label}: {type(e).__name__}: {str(e).splitlines()[-1]}", flush=True)
+                inner = getattr(e, "inner_exception", None) or e   # (dynamo wraps the backend's error)
+                print(f"remat-compiled-{backend}@{label}: {type(inner).__name__}: {str(inner).splitlines()[0]}",
+                      flush=True)
                 continue
             pr = [r.predicted for r in rc.regions]
             row["predicted_peak_bytes"] = rc.step_peak_bytes   # (the replay of what the partitioner built)
