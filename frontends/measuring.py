@@ -83,6 +83,16 @@ class StorageTracker(TorchDispatchMode):
     frame's code as never to compile again, and the module would run eagerly ever after.
     """
 
+    def __init__(self, record_events: bool = False):
+        super().__init__()
+        self.live: dict[int, tuple[int, int]] = {}   # storage address -> (uid, bytes)
+        self.current = 0
+        self.peak = 0
+        self.ignored: set[int] = set()
+        self.record_events = record_events
+        self.events: list[tuple[int, int]] = []
+        self._next_uid = 0
+
     def __enter__(self) -> "StorageTracker":
         self._stance = torch.compiler.set_stance("force_eager")
         self._stance.__enter__()
@@ -97,16 +107,6 @@ class StorageTracker(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._stance.__exit__(None, None, None)
-
-    def __init__(self, record_events: bool = False):
-        super().__init__()
-        self.live: dict[int, tuple[int, int]] = {}   # storage address -> (uid, bytes)
-        self.current = 0
-        self.peak = 0
-        self.ignored: set[int] = set()
-        self.record_events = record_events
-        self.events: list[tuple[int, int]] = []
-        self._next_uid = 0
 
     # ---- bookkeeping -------------------------------------------------------------------
     def ignore(self, tensors: Iterable[Any]) -> None:
@@ -503,8 +503,7 @@ def measure(step_fn: Callable[[], Any], device: "str | torch.device | None" = No
     on the CPU includes the accounting's per-op overhead: compare ratios of times measured the
     same way.  ``meter="allocator"`` (CPU): `allocator_peak` instead, which also sees inside
     compiled code (under `StorageTracker`'s dispatch mode a compiled module runs eagerly, for
-    that call only) and
-    counts every CPU allocation, host buffers included.
+    that call only) and counts every CPU allocation, host buffers included.
     """
     if meter not in METERS:
         raise ValueError(f"meter: expected one of {METERS}, got {meter!r}")

@@ -435,8 +435,6 @@ class Broken(torch.nn.Module):
         return self.b(y).square().mean()
 
 
-
-
 def _with_the_named_reserve(model, x, budget: int, error: str):
     """Compile a copy of `model` at `budget` (aot_eager): the first step fails with `error`, whose
     group is the reserve it names; compiled again with that reserve, one step runs.  Returns
