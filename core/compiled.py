@@ -42,8 +42,11 @@ def recomputed_of(graph: Graph, schedule: Schedule) -> set[int]:
 
 
 def pinned(graph: Graph) -> set[int]:
-    """Forward nodes that cannot be recomputed: those the region returns (``extra["returned"]``)."""
-    return with_parts(graph, {v.id for v in graph.nodes if v.kind == "forward" and v.extra.get("returned")})
+    """Forward nodes that cannot be recomputed: those the region returns (``extra["returned"]``)
+    and those the backend always makes in the forward and saves (``extra["always_saved"]``: its
+    copies of the graph's inputs)."""
+    return with_parts(graph, {v.id for v in graph.nodes if v.kind == "forward"
+                              and (v.extra.get("returned") or v.extra.get("always_saved"))})
 
 
 def backward_only(graph: Graph) -> set[int]:

@@ -24,8 +24,8 @@ Per region (one joint graph; a graph break makes several):
    (``functionalize_rng_ops``): recomputed dropout masks equal the forward's.
 
 With inductor, what its code does beyond the partitioner's graphs is modelled where it is known:
-the channels-last copies of a convolutional graph's inputs (`layout_copies`, fixed bytes of the
-plan and live in the replay to their last use), no ATen scratch for the ops it generates kernels
+the channels-last copies of a convolutional graph's inputs (`layout_copies`: nodes of the
+plan's graph that no tag changes, live to their last use, in the plan as in the replay), no ATen scratch for the ops it generates kernels
 for (`inductor_generates`), convolutions timed and their scratch measured on channels-last
 tensors (`OpTimes`).  Its fused kernels allocate their outputs together and free their inputs
 after the kernel, which the op-by-op replay does not follow: transformers' tightest plans
@@ -175,16 +175,23 @@ class OpTimes:
     generated loop.  Convolutions, matrix products and inductor's fallbacks still run ATen's.
     `channels_last` (inductor runs the graph's 2-d convolutions channels-last, `layout_copies`):
     a convolution and its backward are run on channels-last made-up tensors, as they will run
-    (their scratch differs: a weight gradient converted inside the backward's kernel)."""
+    (their scratch differs: a weight gradient converted inside the backward's kernel).
+    `fused` (with `codegen`): an op inductor writes its own kernel for is priced as part of a
+    fused kernel (`fused_traffic`): the bytes it reads of tensors that an ATen kernel made or the
+    graph was given, and the bytes it writes where an ATen kernel or the graph's output reads its
+    result, at the device's elementwise rate, plus one operation per output element at its FLOP
+    rate; a recomputed pointwise op inside the backward's kernel then costs about what
+    inductor's code spends on it, not what the eager op does."""
 
     _cache: dict = {}
 
     def __init__(self, device: torch.device, measure: bool = True, flops_model: FlopsModel | None = None,
-                 limit_bytes: int | None = None, codegen: bool = False, channels_last: bool = False):
+                 limit_bytes: int | None = None, codegen: bool = False, channels_last: bool = False,
+                 fused: bool = False):
         self.device, self.measure = torch.device(device), measure
         self.fm = flops_model or FlopsModel.measured(self.device)
         self.limit_bytes = limit_bytes
-        self.codegen, self.channels_last = codegen, channels_last
+        self.codegen, self.channels_last, self.fused = codegen, channels_last, fused and codegen
 
     @staticmethod
     def live_bytes(device: torch.device) -> int | None:
@@ -205,6 +212,9 @@ class OpTimes:
         return self.fm.time(_flops(n), read + wrote + _scratch(n))
 
     def __call__(self, n: fx.Node) -> float:
+        if self.fused and n.op == "call_function" and not is_alias(n) and inductor_generates(n):
+            elems = sum(t.numel() for t in _tensors(n.meta.get("val")))
+            return self.fm.time(elems, fused_traffic(n))
         return self._measured(n)[0]
 
     def scratch(self, n: fx.Node) -> int:
@@ -260,6 +270,48 @@ def inductor_generates(n: fx.Node) -> bool:
     from torch._inductor.lowering import fallbacks, lowerings
     op = _inner_op(n)[0] or n.target
     return op in lowerings and op not in fallbacks and not str(op).startswith(EXTERN)
+
+
+def _source(n: fx.Node) -> fx.Node:
+    """The node that made the storage `n` reads: through views and other aliases (not through a
+    multi-output op's ``getitem``, whose op made it)."""
+    while is_alias(n) and n.all_input_nodes and n.target is not operator.getitem:
+        n = n.all_input_nodes[0]
+    return n.all_input_nodes[0] if n.target is operator.getitem and n.all_input_nodes else n
+
+
+def _kernel_made(n: fx.Node) -> bool:
+    """`n`'s result is a buffer in memory for inductor's code: a graph input, or the result of an
+    op inductor calls an ATen (or library) kernel for."""
+    return n.op != "call_function" or not inductor_generates(n)
+
+
+def _read_outside(n: fx.Node) -> bool:
+    """Some reader of `n` (through aliases) is not inductor's generated code: an ATen kernel, or
+    the graph's output (a saved or returned value)."""
+    stack, seen = list(n.users), set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.op != "call_function":
+            return True
+        if is_alias(u):
+            stack.extend(u.users)
+        elif not inductor_generates(u):
+            return True
+    return False
+
+
+def fused_traffic(n: fx.Node) -> int:
+    """Bytes generated op `n` moves inside one of inductor's fused kernels (`OpTimes`, `fused`):
+    its inputs that are buffers already (`_kernel_made`), each once, and its outputs where a
+    reader outside generated code needs them in memory (`_read_outside`)."""
+    read = sum(_nbytes(t) for a in {_source(a) for a in n.all_input_nodes} if _kernel_made(a)
+               for t in _tensors(a.meta.get("val")))
+    wrote = sum(_nbytes(t) for t in _tensors(n.meta.get("val"))) if _read_outside(n) else 0
+    return read + wrote
 
 
 def _kernel_scratch(op: Any, args: Any, kwargs: Any, device: torch.device) -> int:
@@ -349,11 +401,13 @@ def inductor_channels_last(gm: fx.GraphModule) -> bool:
 
 
 def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
-                times: OpTimes | None = None, copy_bytes: int = 0) -> JointGraph:
+                times: OpTimes | None = None, copies: dict | None = None) -> JointGraph:
     """The remat graph of AOTAutograd joint graph `gm` (module docstring, step 1); node times
-    from `times` (default: measured on the region's device).  `copy_bytes` (the backend's
-    copies of the graph's inputs, `layout_copies`) are fixed bytes too: held from the step's
-    start, as the saved weights' copies are through the backward."""
+    from `times` (default: measured on the region's device).  `copies` (storage key -> bytes:
+    the backend's copies of the graph's inputs, `layout_copies`): each is a forward node of its
+    own at the forward's start (``extra["always_saved"]``: no tag changes it), read by every op
+    that reads its input, so it lives to its last use, in the forward or, saved, in the
+    backward, as the backend's copy does."""
     times = times or OpTimes(region_device(gm))
     fx_nodes = list(gm.graph.nodes)
     STATIC, LOSS = -1, -2
@@ -375,6 +429,12 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
                     if storage_key(t) not in seen:   # (each storage once: tied parameters share one)
                         seen.add(storage_key(t))
                         fixed += _nbytes(t)
+                copied = [storage_key(t) for t in tensors if storage_key(t) in (copies or {})]
+                if copied:   # (the backend's copy of this input: a node of its own)
+                    group[n] = len(groups)
+                    groups.append({"members": [], "kind": "forward", "bytes": copies[copied[0]], "ws": 0, "flops": 0,
+                                   "lead": None, "multi": False, "parts": {}, "alloc": copies[copied[0]],
+                                   "scratch": 0, "follows": None, "copy_of": n.name})
             continue
         if n.op != "call_function":
             continue
@@ -384,6 +444,9 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             tangent_dep.add(n)
         if is_alias(n) and ins:
             src = group[ins[0]]
+            if src >= 0 and "copy_of" in groups[src]:   # (a view of a copied input reads the input)
+                group[n] = STATIC
+                continue
             if n.target is operator.getitem and src >= 0 and groups[src]["multi"]:
                 k = n.args[1]
                 lead = groups[src]
@@ -486,6 +549,11 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             members.append([])
             continue
         d = groups[g]
+        if "copy_of" in d:
+            nodes.append(Node(i, f"{d['copy_of']}_copy", "forward", times.fm.time(0, 2 * d["bytes"]), int(d["bytes"]), 0,
+                              {"ops": [], "op": "layout_copy", "copy_of": d["copy_of"], "always_saved": True}))
+            members.append([])
+            continue
         head = d["members"][0]
         extra: dict = {"ops": [n.name for n in d["members"]], "op": str(getattr(head.target, "__name__", head.target))}
         lead = d["lead"]
@@ -518,7 +586,7 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         nodes.append(Node(i, head.name, d["kind"], float(t), b, int(d["ws"]) + own, extra,
                           persistent_bytes=persistent))
         members.append(d["members"])
-    graph = Graph(nodes, sorted(edges), fixed + int(copy_bytes), {"granularity": "compiled", "name": name, "backward_edges": "saved",
+    graph = Graph(nodes, sorted(edges), fixed, {"granularity": "compiled", "name": name, "backward_edges": "saved",
                                                 "capture": "torch.compile (AOTAutograd joint graph)"})
     return JointGraph(graph, members)
 
@@ -622,6 +690,33 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
                    f_peak + fixed_bytes, b_peak + fixed_bytes, again)
 
 
+def knapsack_sets(gm: fx.GraphModule, joint_inputs: Any, jg: JointGraph, budgets: tuple = (0.9, 0.7, 0.5, 0.3),
+                  **kwargs: Any) -> list[set[int]]:
+    """What PyTorch's own partitioner recomputes at each ``activation_memory_budget`` in
+    `budgets`: for each, the nodes of `jg` (forward) whose fx ops the backward graph of
+    ``min_cut_rematerialization_partition`` runs again (the partitioner copies a node under its
+    name).  `gm` is the joint graph `jg` was made of, untagged (its graph is put back after each
+    cut); `kwargs` are the partitioner's (``num_fwd_outputs``...).  A budget whose cut fails is
+    left out.  These are starts for `remat.core.compiled.fit`: the knapsack recomputes cheap
+    pointwise ops whose kernels inductor fuses into the backward's, a set the planner's own
+    search may not reach."""
+    import torch._functorch.config as functorch_config
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    ids = {n.name: v.id for v, members in zip(jg.graph.nodes, jg.members) if v.kind == "forward" for n in members}
+    graph, sets = gm.graph, []
+    for b in budgets:
+        try:
+            with functorch_config.patch(activation_memory_budget=b):
+                _, bw = min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
+        except Exception as e:  # noqa: BLE001  (a start the search does without)
+            log.info("remat.compiler: the partitioner's knapsack at %g failed (%s: %s)", b, type(e).__name__, e)
+            continue
+        finally:
+            gm.graph = graph
+        sets.append({ids[n.name] for n in bw.graph.nodes if n.op == "call_function" and n.name in ids})
+    return sets
+
+
 def tag(jg: JointGraph, recompute: set[int]) -> None:
     """Every forward fx op of `jg`: MUST_RECOMPUTE when its node is in `recompute` (or is
     backward-only: `remat.core.compiled.normal`), else MUST_SAVE."""
@@ -635,4 +730,5 @@ def tag(jg: JointGraph, recompute: set[int]) -> None:
             n.meta["recompute"] = policy
 
 
-__all__ = ["joint_graph", "JointGraph", "layout_copies", "inductor_channels_last", "inductor_generates", "tag", "program", "Program", "OpTimes", "is_alias", "BACKENDS"]
+__all__ = ["joint_graph", "JointGraph", "layout_copies", "inductor_channels_last", "inductor_generates", "tag",
+           "knapsack_sets", "program", "Program", "OpTimes", "is_alias", "BACKENDS"]

@@ -118,6 +118,27 @@ def test_plan_in_the_compiled_class_predicts_the_program():
         pytest.fail("a plan below the class's floor")
 
 
+def test_the_compiled_plan_keeps_the_fastest_program_its_starts_fit_to():
+    """A start that is the class's fastest program within the budget (brute force) is kept, and
+    named: the search takes the fastest of its fitted starts, not the first that fits."""
+    g = random_layered(6, width=2, seed=1)
+    budget = (_floor(g) + compiled.program(g, set())[1].peak_bytes) // 2
+    nodes = sorted(compiled.recomputable(g))
+    fits = [(compiled.over(g, set(R), budget)[0], set(R)) for k in range(len(nodes) + 1)
+            for R in itertools.combinations(nodes, k) if compiled.over(g, set(R), budget)[2] == 0]
+    best_time, best = min(fits, key=lambda f: f[0])
+    names = [g.nodes[v].name for v in sorted(best)]
+    p = remat.plan(g, budget, executor="compiled", time_limit=5, starts=[names])
+    assert p.solver["objective"] == pytest.approx(best_time)
+    assert p.predicted["peak_bytes"] <= budget
+    if p.solver["compiled_start"] != "start 0":   # (another start reached an equally fast program)
+        assert remat.plan(g, budget, executor="compiled", time_limit=5).solver["objective"] == pytest.approx(best_time)
+    with pytest.raises(InvalidInputError, match="no node named"):
+        remat.plan(g, budget, executor="compiled", time_limit=5, starts=[["no such node"]])
+    with pytest.raises(InvalidInputError, match="executor='compiled' only"):
+        remat.plan(g, budget, time_limit=5, starts=[names])
+
+
 # ---- compiled steps (aot_eager on the CPU) -----------------------------------------------------------
 
 torch = pytest.importorskip("torch")
@@ -277,6 +298,40 @@ def test_inductor_copies_a_convolutions_graph_inputs_to_channels_last():
     x_, w3_, w1_ = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     assert layout_copies(gm) == {storage_key(x_): x.nbytes, storage_key(w3_): w3.nbytes}
     assert layout_copies(make_fx(torch.relu, tracing_mode="fake")(x)) == {}
+
+
+def test_inductor_copies_are_nodes_the_plan_saves_to_their_last_use(one_torch_thread):
+    """Each channels-last copy inductor makes of a graph input is a forward node of the plan's
+    graph (``always_saved``: never recomputed), read by every op that reads the input, so it
+    lives to its last use as inductor's copy does: the class's program of every try is the
+    replay of the partitioner's graphs, byte for byte, where fixed copies counted them to the
+    step's end."""
+    from remat.core.compiled import pinned
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Conv2d(3, 16, 3, padding=1)
+            self.b = torch.nn.Conv2d(16, 16, 3, padding=1)
+            self.c = torch.nn.Conv2d(16, 16, 3, padding=1)
+
+        def forward(self, x):
+            return self.c(torch.relu(self.b(torch.relu(self.a(x))))).square().mean()
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 24, 24)
+    m, rc, c = _compiled(Net(), x, "0.8x", backend="inductor")
+    [region] = rc.regions
+    g = region.graph
+    copies = [v for v in g.nodes if v.extra.get("always_saved")]
+    weights = {p.nbytes for p in (m.a.weight, m.b.weight, m.c.weight)}
+    assert len(copies) == 4 and {v.bytes for v in copies} == weights | {x.nbytes}
+    for v in copies:
+        readers = [g.nodes[w] for w in g.succs[v.id]]
+        assert any(w.kind == "forward" for w in readers) and any(w.kind == "backward" for w in readers)
+    assert {v.id for v in copies} <= pinned(g)
+    assert not {v.name for v in copies} & set(region.plan.predicted["recomputed"])
+    assert all(t["planned_peak_bytes"] == t["peak_bytes"] for t in region.tries), region.tries
+    assert region.recomputed_ops
 
 
 @pytest.mark.slow
