@@ -222,7 +222,7 @@ def main(argv=None) -> int:
                note: str = "", predicted: int | None = None, reference: list | None = None,
                keep_grads: bool = False) -> dict:
         res = run_steps(model, step, example, warmup, dev,
-                        storage=not kind.startswith("compile") and dev.type == "cpu")
+                        storage=not kind.startswith(("compile", "remat-compiled")) and dev.type == "cpu")
         loss, grads = res["first"]
         if not plain_first:
             plain_first.update(loss=loss, grads=grads, peak=res["peak_bytes"])

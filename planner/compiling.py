@@ -33,8 +33,8 @@ from torch.utils._pytree import tree_flatten
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.core.graph import Graph
 from remat.core.units import format_bytes_exact
-from remat.frontends.compiled import (BACKENDS, OpTimes, Program, inductor_channels_last, joint_graph, layout_copies,
-                                     program, region_device, tag)
+from remat.frontends.compiled import (BACKENDS, OpTimes, Program, inductor_channels_last, joint_graph, knapsack_sets,
+                                     layout_copies, program, region_device, tag)
 from remat.frontends.measuring import storage_key
 from remat.frontends.profile import FlopsModel
 
@@ -45,6 +45,9 @@ log = logging.getLogger("remat.compiled")
 
 
 TRIES = 4   # plans per region until the partitioner's graphs fit the budget
+# activation_memory_budget values whose knapsack sets (what PyTorch's partitioner recomputes)
+# the plan's search also fits from (`knapsack_sets`)
+KNAPSACK = (0.9, 0.7, 0.5, 0.3)
 
 
 @dataclass
@@ -91,7 +94,7 @@ class RematCompiler:
 
     def __init__(self, budget: "str | int", backend: str = "inductor", solver: str = "ilp", time_limit: float = 30.0,
                  profile: str = "measure", flops_model: FlopsModel | None = None, reserve: "str | int" = 0,
-                 **options: Any):
+                 knapsack: tuple = KNAPSACK, fused: bool | None = None, **options: Any):
         if backend not in BACKENDS:
             raise InvalidInputError(f"remat.compiler: backend must be one of {BACKENDS}, got {backend!r}")
         if options.get("swap"):
@@ -104,6 +107,10 @@ class RematCompiler:
             raise InvalidInputError(f"remat.compiler: profile must be 'measure' or 'flops', got {profile!r}")
         self.profile, self.flops_model, self.options = profile, flops_model, options
         self.reserve = parse_budget(reserve) if reserve else 0
+        if any(not 0 <= b < 1 for b in knapsack):
+            raise InvalidInputError(f"remat.compiler: knapsack budgets must be in [0, 1), got {knapsack!r}")
+        self.knapsack = tuple(knapsack)
+        self.fused = backend == "inductor" if fused is None else bool(fused)
         self.regions: list[Region] = []
         self.step_budget: int | None = None   # bytes, once a relative budget is resolved
         self._active: list[int] = []          # regions between their forward and their backward
@@ -253,9 +260,9 @@ class RematCompiler:
         inductor = self.backend == "inductor"
         channels_last = inductor and inductor_channels_last(gm)
         times = OpTimes(region_device(gm), measure=self.profile == "measure", flops_model=self.flops_model,
-                        limit_bytes=known, codegen=inductor, channels_last=channels_last)
+                        limit_bytes=known, codegen=inductor, channels_last=channels_last, fused=self.fused)
         jg = joint_graph(gm, num_fwd, name=f"region{len(self.regions)}", times=times,
-                         copy_bytes=sum(layout_copies(gm, channels_last).values()))
+                         copies=layout_copies(gm, channels_last))
         held, before = self._held, self._held_from
         if not before or self.step_budget is None:   # (a region that starts the step)
             self.step_budget = parse_budget(self.budget, jg.graph)
@@ -272,10 +279,12 @@ class RematCompiler:
                 f"{format_bytes_exact(jg.graph.fixed_bytes)} more: raise the budget, or remove the graph break "
                 "(fullgraph=True shows where)", budget_bytes=step_budget, min_feasible_bytes=held + jg.graph.fixed_bytes)
         target, tries, best, joint = budget, [], None, gm.graph
+        names = [v.name for v in jg.graph.nodes]
+        starts = [[names[v] for v in sorted(R)] for R in knapsack_sets(gm, joint_inputs, jg, self.knapsack, **kwargs)]
         for _ in range(TRIES):
             try:
                 p = make_plan(jg.graph, target, self.solver, swap=False, time_limit=self.time_limit,
-                              executor="compiled", **self.options)
+                              executor="compiled", starts=starts, **self.options)
             except InfeasibleBudgetError as e:
                 if not tries:
                     if held:
@@ -394,15 +403,19 @@ def _partitioner(owner: RematCompiler):
 
 def compiler(budget: "str | int", backend: str = "inductor", solver: str = "ilp", **options: Any) -> RematCompiler:
     """``remat.compiler(budget, backend="inductor", solver="ilp", time_limit=30, profile="measure",
-    reserve=0)``: a ``torch.compile`` backend whose partitioner follows remat's plan of each
-    region's joint graph at `budget` (bytes, ``"6GiB"``, or ``"0.5x"`` of the keep-all peak of the
-    region that starts the step), each region after a graph break within its share (module
-    docstring).  `backend`: ``"inductor"`` (code generation), ``"aot_eager"`` (the joint graph's
+    reserve=0, knapsack=(0.9, 0.7, 0.5, 0.3), fused=None)``: a ``torch.compile`` backend whose
+    partitioner follows remat's plan of each region's joint graph at `budget` (bytes, ``"6GiB"``,
+    or ``"0.5x"`` of the keep-all peak of the region that starts the step), each region after a
+    graph break within its share (module docstring).  `backend`: ``"inductor"`` (code generation), ``"aot_eager"`` (the joint graph's
     ops as they are, run eagerly) or ``"aot_eager_decomp_partition"`` (inductor's decompositions,
     run eagerly).  `profile`: op times measured on the device (``"measure"``, each distinct op
     once) or from FLOP and byte counts (``"flops"``).  `reserve`: bytes the region that starts the
     step leaves free for the regions after a graph break (the error of a region that does not fit
-    its share names what it needs)."""
+    its share names what it needs).  `knapsack`: the ``activation_memory_budget`` values at which
+    PyTorch's own partitioner is asked what it would recompute, each a start of the plan's search
+    (`remat.frontends.compiled.knapsack_sets`; ``()``: none).  `fused` (default: with inductor):
+    the ops inductor generates kernels for are priced as parts of fused kernels
+    (`remat.frontends.compiled.OpTimes`), not at their eager times."""
     return RematCompiler(budget, backend, solver, **options)
 
 

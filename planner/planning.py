@@ -32,7 +32,7 @@ MIN_BUDGET_TIME_LIMIT = 10.0
 
 def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", *, swap: bool | None = None,
          time_limit: float = 60.0, gap: float = 0.0, explain: bool = True, executor: str = "any",
-         **options: Any) -> Plan:
+         starts: Sequence = (), **options: Any) -> Plan:
     """Plan `graph` (a Graph or a path to a graph.json) to fit `budget` with the named solver.
 
     `budget` is anything `parse_budget` reads (``"6GiB"``, ``"0.5x"``, bytes).  ``swap``
@@ -46,9 +46,13 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
     code), `native_plan`; there a relative budget is a fraction of the larger of the graph's
     keep-all peak and that schedule's peak natively (the model's returned outputs held to the
     step's end, as the loop's ``out`` holds them), so ``"1x"`` keeps everything.
+    ``executor="compiled"``: a program of the compiled class (`compiled_plan`); `starts` are
+    further tag sets (each a collection of node names) its search fits from beside the solver's.
     """
     if executor not in EXECUTORS:
         raise InvalidInputError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
+    if starts and executor != "compiled":
+        raise InvalidInputError("starts: tag sets to fit from are for executor='compiled' only")
     if not isinstance(graph, Graph):
         graph = Graph.load(graph)
     graph = _with_bandwidth(graph, options)
@@ -70,7 +74,7 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
     if executor == "compiled":
         solved_time = None if schedule is None else res.time
         schedule, res, wall, extra = compiled_plan(graph, budget_bytes, schedule, solved_time, wall,
-                                                   why if schedule is None else "")
+                                                   why if schedule is None else "", starts)
     if executor == "native":
         schedule, res, wall, extra = native_plan(graph, budget_bytes, solver, schedule, wall, swap=swap,
                                                  time_limit=time_limit, gap=gap, **options)
@@ -145,39 +149,56 @@ def native_plan(graph: Graph, budget_bytes: int, solver: str, schedule: Schedule
 
 
 def compiled_plan(graph: Graph, budget_bytes: int, schedule: Schedule | None, solved_time: float | None,
-                  wall: float, why: str = "") -> tuple[Schedule, SimResult, float, dict]:
-    """The solver's `schedule` as the partitioner runs it (`remat.core.compiled`: each forward
-    node saved, or recomputed once in the backward before its first use; R = the forward nodes
-    the schedule computes after the loss), fitted to the budget by `compiled.fit` (more
-    recomputation where the program is over, none the budget does not need).  `schedule` None (the
-    solver found nothing in its time, `why`): fitted from no recomputation; `solved_time` is the
-    simulated time of `schedule`.  The report keeps the
-    solver's lower bound (every compiled program is a schedule) and says "feasible" where the
-    program is slower than the solver's schedule.  Returns (the program, its simulation, wall
-    seconds, {"recomputed": node names}).  Raises `InfeasibleBudgetError` where nothing fits."""
+                  wall: float, why: str = "", starts: Sequence = ()) -> tuple[Schedule, SimResult, float, dict]:
+    """The fastest program of the compiled class (`remat.core.compiled`: each forward node saved,
+    or recomputed once in the backward before its first use) that `compiled.fit` reaches within
+    the budget from each of these tag sets: the solver's `schedule` (R = the forward nodes it
+    computes after the loss), none, every recomputable node, and `starts` (node names; e.g. what
+    PyTorch's own partitioner recomputes, `remat.frontends.compiled.knapsack_sets`).  `fit` adds
+    recomputation where a program is over and gives back what the budget does not need; the
+    fitted programs are simulated and the one with the least time is kept (ties: the first).
+    `schedule` None (the solver found nothing in its time, `why`): the others only;
+    `solved_time` is the simulated time of `schedule`.  The report keeps the solver's lower bound
+    (every compiled program is a schedule), says "feasible" where the program is slower than the
+    solver's schedule, and names the start the program was fitted from.  Returns (the program,
+    its simulation, wall seconds, {"recomputed": node names}).  Raises `InfeasibleBudgetError`
+    where nothing fits."""
     from remat.core import compiled
     t0 = time.perf_counter()
-    start = compiled.recomputed_of(graph, schedule) if schedule is not None else set()
-    R, lowest, tried = None, None, []
-    for begin in (start, set(), compiled.recomputable(graph)):   # (the solver's, none, all)
-        if R is not None or begin in tried:
+    by_name = {v.name: v.id for v in graph.nodes}
+    begins = [("the solver's", compiled.recomputed_of(graph, schedule))] if schedule is not None else []
+    begins += [("none", set()), ("all", compiled.recomputable(graph))]
+    for k, names in enumerate(starts):
+        unknown = [x for x in names if x not in by_name]
+        if unknown:
+            raise InvalidInputError(f"starts[{k}]: no node named {unknown[0]!r} in the graph")
+        begins.append((f"start {k}", {by_name[x] for x in names}))
+    best, lowest, tried = None, None, []
+    for label, begin in begins:
+        begin = compiled.normal(graph, begin)
+        if begin in tried:
             continue
         tried.append(begin)
         R, low = compiled.fit(graph, begin, budget_bytes)
         lowest = low if lowest is None else min(lowest, low)
+        if R is not None:
+            sched, res = compiled.program(graph, R)
+            if best is None or res.time < best[2].time * (1 - 1e-9):
+                best = (label, R, res, sched)
     wall += time.perf_counter() - t0
-    if R is None:
+    if best is None:
         raise InfeasibleBudgetError(
             f"no compiled program found within {format_bytes_exact(budget_bytes)} (the lowest peak reached "
             f"{format_bytes_exact(lowest)}: the partitioner recomputes each forward op at most once, in the backward)"
             ": raise the budget", budget_bytes=budget_bytes, min_feasible_bytes=lowest)
-    sched, res = compiled.program(graph, R)
+    label, R, res, sched = best
     if schedule is not None:
         report = dict(schedule.report or {})
     else:
         report = {"status": "feasible", "objective": res.time, "lower_bound": None, "gap": None,
-                  "compiled_note": f"the solver found nothing ({why}); fitted from no recomputation"}
+                  "compiled_note": f"the solver found nothing ({why})"}
     report["objective"] = res.time
+    report["compiled_start"] = label
     if schedule is not None and res.time > solved_time * (1 + 1e-9):
         if report.get("status") == "optimal":
             report["status"] = "feasible"
