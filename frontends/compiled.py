@@ -24,13 +24,17 @@ Per region (one joint graph; a graph break makes several):
    (``functionalize_rng_ops``): recomputed dropout masks equal the forward's.
 
 With inductor, what its code does beyond the partitioner's graphs is modelled where it is known:
-the channels-last copies of a convolutional graph's inputs (`layout_copies`: nodes of the
-plan's graph that no tag changes, live to their last use, in the plan as in the replay), no ATen scratch for the ops it generates kernels
-for (`inductor_generates`), convolutions timed and their scratch measured on channels-last
-tensors (`OpTimes`).  Its fused kernels allocate their outputs together and free their inputs
-after the kernel, which the op-by-op replay does not follow: transformers' tightest plans
-measured up to 2.8 % above the prediction (a 2-layer GPT-2 at 0.6x; the zoo GPT-2 at 0.5x 0.4 %),
-the CNNs and MLPs measured at or below it.
+the channels-last copies of a convolutional graph's inputs (`layout_copies`: nodes of the plan's
+graph that no tag changes, live to their last use, in the plan as in the replay), no ATen
+scratch for the ops it generates kernels for (`inductor_generates`), convolutions timed and
+their scratch measured on channels-last tensors (`OpTimes`); with ``fused``, the ops it
+generates kernels for are priced by the bytes a fused kernel moves for them.  Not modelled: its
+memory-aware reordering (an op whose output only the caller reads, made from small inputs, run
+after the peak: torchvision ResNet-50's classifier weight gradient measured 8.19 MB under the
+replay); its fused kernels allocate their outputs together and free their inputs after the
+kernel, which the op-by-op replay does not follow: transformers' tightest plans measured up to
+2.8 % above the prediction (a 2-layer GPT-2 at 0.6x; the zoo GPT-2 at 0.5x 0.4 %), the CNNs and
+MLPs at or below it.
 
 Limits, named: no swap (offload) plans yet; with graph breaks each region is planned within its
 share of the budget, first come, first served (``remat.compiling``: the regions before it hold

@@ -342,7 +342,7 @@ def test_inductor_runs_a_cnn_as_predicted(one_torch_thread):
     convolutions whose scratch is that of channels-last tensors: with those, the measured peak
     is the prediction's within 0.5 %, at 1.0x and with recomputation."""
     model, x = _resnet_with_loss()
-    for budget in ("1.0x", "0.9x"):   # (the weights' copies are fixed bytes: 0.8x is below the floor)
+    for budget in ("1.0x", "0.9x"):
         m, rc, c = _compiled(model, x, budget, backend="inductor")
         _measured_as_predicted(c, m, x, rc, budget, rel=0.005)
 
