@@ -406,12 +406,13 @@ def compiler(budget: "str | int", backend: str = "inductor", solver: str = "ilp"
     reserve=0, knapsack=(0.9, 0.7, 0.5, 0.3), fused=None)``: a ``torch.compile`` backend whose
     partitioner follows remat's plan of each region's joint graph at `budget` (bytes, ``"6GiB"``,
     or ``"0.5x"`` of the keep-all peak of the region that starts the step), each region after a
-    graph break within its share (module docstring).  `backend`: ``"inductor"`` (code generation), ``"aot_eager"`` (the joint graph's
-    ops as they are, run eagerly) or ``"aot_eager_decomp_partition"`` (inductor's decompositions,
-    run eagerly).  `profile`: op times measured on the device (``"measure"``, each distinct op
-    once) or from FLOP and byte counts (``"flops"``).  `reserve`: bytes the region that starts the
-    step leaves free for the regions after a graph break (the error of a region that does not fit
-    its share names what it needs).  `knapsack`: the ``activation_memory_budget`` values at which
+    graph break within its share (module docstring).  `backend`: ``"inductor"`` (code
+    generation), ``"aot_eager"`` (the joint graph's ops as they are, run eagerly) or
+    ``"aot_eager_decomp_partition"`` (inductor's decompositions, run eagerly).  `profile`: op
+    times measured on the device (``"measure"``, each distinct op once) or from FLOP and byte
+    counts (``"flops"``).  `reserve`: bytes the region that starts the step leaves free for the
+    regions after a graph break (the error of a region that does not fit its share names what it
+    needs).  `knapsack`: the ``activation_memory_budget`` values at which
     PyTorch's own partitioner is asked what it would recompute, each a start of the plan's search
     (`remat.frontends.compiled.knapsack_sets`; ``()``: none).  `fused` (default: with inductor):
     the ops inductor generates kernels for are priced as parts of fused kernels

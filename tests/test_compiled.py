@@ -300,6 +300,35 @@ def test_inductor_copies_a_convolutions_graph_inputs_to_channels_last():
     assert layout_copies(make_fx(torch.relu, tracing_mode="fake")(x)) == {}
 
 
+def test_the_partitioners_knapsack_sets_are_starts_of_the_plans_search(reference, monkeypatch):
+    """`knapsack_sets` reads back what PyTorch's partitioner recomputes at each
+    ``activation_memory_budget``: recomputable forward nodes only, more bytes of them at a lower
+    budget, and the joint graph left as it was; the plan fits from each and names the start it
+    kept."""
+    import remat.compiling as compiling
+    seen = []
+
+    def spy(gm, joint_inputs, jg, budgets, **kwargs):
+        before = [n.name for n in gm.graph.nodes]
+        sets = knapsack_sets(gm, joint_inputs, jg, budgets, **kwargs)
+        assert [n.name for n in gm.graph.nodes] == before
+        seen.append((jg, budgets, sets))
+        return sets
+    knapsack_sets = compiling.knapsack_sets
+    monkeypatch.setattr(compiling, "knapsack_sets", spy)
+    model, x, _, _ = reference
+    m, rc, c = _compiled(model, x, "0.7x", knapsack=(0.9, 0.1))
+    [(jg, budgets, sets)] = seen
+    assert budgets == (0.9, 0.1) and len(sets) == 2
+    free = compiled.recomputable(jg.graph) | compiled.backward_only(jg.graph)
+    assert all(R <= free for R in sets)
+    size = [sum(jg.graph.nodes[v].bytes for v in R - compiled.backward_only(jg.graph)) for R in sets]
+    assert size[1] > 0 and size[1] >= size[0]
+    assert rc.regions[0].plan.solver["compiled_start"] in ("the solver's", "none", "all", "start 0", "start 1")
+    with pytest.raises(InvalidInputError, match="knapsack budgets"):
+        remat.compiler("0.5x", knapsack=(1.5,))
+
+
 def test_inductor_copies_are_nodes_the_plan_saves_to_their_last_use(one_torch_thread):
     """Each channels-last copy inductor makes of a graph input is a forward node of the plan's
     graph (``always_saved``: never recomputed), read by every op that reads the input, so it
