@@ -28,13 +28,17 @@ the channels-last copies of a convolutional graph's inputs (`layout_copies`: nod
 graph that no tag changes, live to their last use, in the plan as in the replay), no ATen
 scratch for the ops it generates kernels for (`inductor_generates`), convolutions timed and
 their scratch measured on channels-last tensors (`OpTimes`); with ``fused``, the ops it
-generates kernels for are priced by the bytes a fused kernel moves for them.  Not modelled: its
-memory-aware reordering (an op whose output only the caller reads, made from small inputs, run
-after the peak: torchvision ResNet-50's classifier weight gradient measured 8.19 MB under the
-replay); its fused kernels allocate their outputs together and free their inputs after the
-kernel, which the op-by-op replay does not follow: transformers' tightest plans measured up to
-2.8 % above the prediction (a 2-layer GPT-2 at 0.6x; the zoo GPT-2 at 0.5x 0.4 %), the CNNs and
-MLPs at or below it.
+generates kernels for are priced by the bytes a fused kernel moves for them; with ``buffers``
+(`remat.compiler` option, off by default), two of its buffer rewrites: the backward's scatters
+into zeros written in place (`inplace_source`), a matrix product folded into the sum that reads
+it (`folds_into_addmm`).  Not modelled: its memory-aware reordering (an op whose
+output only the caller reads, made from small inputs, run after the peak: torchvision
+ResNet-50's classifier weight gradient measured 8.19 MB under the replay); its fused kernels
+allocate their outputs together and free their inputs after the kernel, which the op-by-op
+replay does not follow: transformers' tightest plans measured up to 2.8 % above the prediction
+(a 2-layer GPT-2 at 0.6x; the zoo GPT-2 at 0.5x 0.4 %), the MLPs at or below it; a ResNet-18
+(batch 32, 128 px) 0.8 % above at budgets of 0.69-0.71x its keep-all, the peak inside a
+convolution's backward (not yet explained; with ``buffers``, whose plans reach lower, up to 9 %).
 
 Limits, named: no swap (offload) plans yet; with graph breaks each region is planned within its
 share of the budget, first come, first served (``remat.compiling``: the regions before it hold
@@ -318,6 +322,71 @@ def fused_traffic(n: fx.Node) -> int:
     return read + wrote
 
 
+# ops whose lowering writes into a copy of their first argument (inductor: ``clone`` then a
+# scatter into it), which it makes in that argument's buffer where nothing else reads it
+# (checked in its generated code: the zeros a max pool's and an embedding's backward scatter into)
+WRITES_INTO_FIRST = ("aten.index_put.", "aten._unsafe_index_put.", "aten._unsafe_masked_index_put_accumulate.",
+                     "aten.scatter.", "aten.scatter_add.", "aten.scatter_reduce.", "aten.index_add.",
+                     "aten.slice_scatter.", "aten.select_scatter.")
+
+
+def inplace_source(n: fx.Node, backward: set, made_here: set) -> fx.Node | None:
+    """The argument whose buffer inductor writes backward op `n`'s result into, or None.
+    Modelled only where it holds for every partition of the graph and in inductor's generated
+    code: `n` is a backward op (in `backward`: it reads a tangent) whose lowering writes into a
+    copy of its first argument (`WRITES_INTO_FIRST`: a scatter into zeros, as an embedding's
+    backward), that argument an op of the backward graph (in `backward`, or a forward op in
+    `made_here`: one the backward graph always computes itself), not an alias, read by `n` alone,
+    with `n`'s shape, strides and dtype.  Its buffer is then `n`'s: `n` allocates nothing and the
+    buffer lives to `n`'s last reader.  (Not modelled: a pointwise kernel written into a dying
+    argument's buffer, which inductor does only where its fusions and its ``mm + add`` to
+    ``addmm`` rewrite leave that buffer standing.)"""
+    if n.op != "call_function" or n not in backward or not inductor_generates(n):
+        return None
+    out = n.meta.get("val")
+    if not isinstance(out, torch.Tensor) or not str(_inner_op(n)[0] or n.target).startswith(WRITES_INTO_FIRST):
+        return None
+    a = n.args[0] if n.args else None
+    if not isinstance(a, fx.Node) or a.op != "call_function" or is_alias(a) or len(a.users) != 1:
+        return None
+    if a not in backward and a not in made_here:
+        return None
+    t = a.meta.get("val")
+    if (isinstance(t, torch.Tensor) and t.dtype == out.dtype and tuple(t.shape) == tuple(out.shape)
+            and t.stride() == out.stride() and _nbytes(t) == t.numel() * t.element_size()):
+        return a
+    return None
+
+
+def folds_into_addmm(n: fx.Node) -> fx.Node | None:
+    """The ``add`` that inductor's post-grad pass folds matrix product `n` into (``add(mm(a, b),
+    c)`` becomes ``addmm(c, a, b)``, run where the ``add`` is: the product's result is never a
+    buffer of its own and its inputs are read there), or None: `n` is an ``aten.mm`` read by one
+    ``aten.add.Tensor`` alone (alpha 1), whose other argument is a tensor of the product's dtype
+    that broadcasts to its shape; on a GPU not where every reader of the sum is pointwise (there
+    inductor keeps the sum apart, to fuse it with them)."""
+    from torch._prims_common import is_expandable_to
+    if n.op != "call_function" or n.target is not torch.ops.aten.mm.default or len(n.users) != 1:
+        return None
+    [u] = n.users
+    if u.target is not torch.ops.aten.add.Tensor or u.kwargs.get("alpha", 1) != 1 or len(u.args) != 2:
+        return None
+    others = [a for a in u.args if a is not n]
+    if len(others) != 1 or not isinstance(others[0], fx.Node):
+        return None
+    c, out = others[0].meta.get("val"), n.meta.get("val")
+    if not isinstance(c, torch.Tensor) or not isinstance(out, torch.Tensor) or c.dtype != out.dtype:
+        return None
+    if any(a.meta.get("val") is None or a.meta["val"].dtype != out.dtype for a in n.args[:2] if isinstance(a, fx.Node)):
+        return None
+    if not is_expandable_to(tuple(c.shape), tuple(out.shape)):
+        return None
+    if out.device.type == "cuda" and all(w.op == "call_function" and torch.Tag.pointwise in getattr(w.target, "tags", ())
+                                         for w in u.users):
+        return None
+    return u
+
+
 def _kernel_scratch(op: Any, args: Any, kwargs: Any, device: torch.device) -> int:
     """Peak bytes the allocator held while `op` ran once, above what it held before, less its new
     outputs' storages (`OpTimes`)."""
@@ -368,6 +437,12 @@ class JointGraph:
     graph: Graph
     members: list = field(default_factory=list)
 
+    @property
+    def made_here(self) -> set[str]:
+        """The fx ops the partitioner's backward graph always computes itself: those of the
+        forward nodes the region's results do not need (``extra["unclaimed"]``)."""
+        return {n.name for v, ms in zip(self.graph.nodes, self.members) if v.extra.get("unclaimed") for n in ms}
+
 
 def layout_copies(gm: fx.GraphModule, channels_last: bool | None = None) -> dict[int, int]:
     """The inputs of graph `gm` that inductor's layout optimization copies to channels-last
@@ -405,13 +480,17 @@ def inductor_channels_last(gm: fx.GraphModule) -> bool:
 
 
 def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
-                times: OpTimes | None = None, copies: dict | None = None) -> JointGraph:
+                times: OpTimes | None = None, copies: dict | None = None, buffers: bool = False) -> JointGraph:
     """The remat graph of AOTAutograd joint graph `gm` (module docstring, step 1); node times
     from `times` (default: measured on the region's device).  `copies` (storage key -> bytes:
     the backend's copies of the graph's inputs, `layout_copies`): each is a forward node of its
     own at the forward's start (``extra["always_saved"]``: no tag changes it), read by every op
     that reads its input, so it lives to its last use, in the forward or, saved, in the
-    backward, as the backend's copy does."""
+    backward, as the backend's copy does.  With `buffers` (inductor's buffer rewrites): a
+    backward op that writes into an argument's buffer (`inplace_source`) allocates nothing (a
+    returned one: its gradient's bytes are that buffer) and the argument's node lives to its last
+    reader; a matrix product inductor folds into the sum that reads it (`folds_into_addmm`) is a
+    member of the sum's node."""
     times = times or OpTimes(region_device(gm))
     fx_nodes = list(gm.graph.nodes)
     STATIC, LOSS = -1, -2
@@ -419,7 +498,21 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
     groups: list[dict] = []   # {"members", "kind", "bytes", "ws", "flops", "lead", "index"}
     fixed, tangent_bytes, seen = 0, 0, set()
     tangent_dep: set = set()
+    folded: dict = {}   # a sum -> the matrix product it absorbs (`folds_into_addmm`)
     last_back = None   # the latest backward group (a forward op after it "follows" it)
+
+    def new_group(n: fx.Node, back: bool) -> int:
+        val = n.meta.get("val")
+        tensors = _tensors(val)
+        multi = isinstance(val, (list, tuple))
+        groups.append({"members": [n], "kind": "backward" if back else "forward",
+                       "bytes": 0 if multi else sum(_nbytes(t) for t in tensors), "ws": 0,
+                       "flops": _flops(n), "lead": None, "multi": multi, "parts": {},
+                       "alloc": sum(_nbytes(t) for t in tensors), "scratch": times.scratch(n),
+                       "follows": None if back else last_back})
+        group[n] = len(groups) - 1
+        return len(groups) - 1
+
     for n in fx_nodes:
         if n.op in ("placeholder", "get_attr"):
             tensors = _tensors(n.meta.get("val"))
@@ -469,16 +562,18 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             if src >= 0:
                 groups[src]["members"].append(n)
             continue
-        val = n.meta.get("val")
-        tensors = _tensors(val)
-        g = len(groups)
-        multi = isinstance(val, (list, tuple))
-        groups.append({"members": [n], "kind": "backward" if back else "forward",
-                       "bytes": 0 if multi else sum(_nbytes(t) for t in tensors), "ws": 0,
-                       "flops": _flops(n), "lead": None, "multi": multi, "parts": {},
-                       "alloc": sum(_nbytes(t) for t in tensors), "scratch": times.scratch(n),
-                       "follows": None if back else last_back})
-        group[n] = g
+        if buffers and folds_into_addmm(n) is not None:
+            folded[folds_into_addmm(n)] = n   # (made by its sum's node, if of the same kind: below)
+            continue
+        m = folded.pop(n, None)
+        if m is not None and (m in tangent_dep) != back:   # (a forward product, a backward sum: apart)
+            new_group(m, False)
+            m = None
+        g = new_group(n, back)
+        if m is not None:   # (the matrix product the sum absorbs: `folds_into_addmm`)
+            groups[g]["members"].append(m)
+            groups[g]["flops"] += _flops(m)
+            group[m] = g
         if back:
             last_back = g
     # outputs of the region: to the step's end
@@ -546,6 +641,20 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         if v not in claimed:
             claimed.add(v)
             stack.extend(preds.get(v, ()))
+    # inductor's in-place kernels: node -> the node whose buffer it writes into (through chains)
+    owner: dict[int, int] = {}
+    if buffers:
+        made_here = {n for i, g in enumerate(order) if g != LOSS and groups[g]["kind"] == "forward"
+                     and groups[g]["lead"] is None and i not in claimed for n in groups[g]["members"]}
+        for i, g in enumerate(order):
+            d = groups[g] if g != LOSS else None
+            if d is None or d["lead"] is not None or d["multi"] or "copy_of" in d or not d["members"]:
+                continue
+            a = inplace_source(d["members"][0], tangent_dep, made_here)
+            src = groups[group[a]] if a is not None and group.get(a, STATIC) >= 0 else None
+            if src is None or src["members"][0] is not a or src["multi"] or src["lead"] is not None:
+                continue
+            owner[i] = owner.get(new_id[group[a]], new_id[group[a]])
     nodes, members = [], []
     for i, g in enumerate(order):
         if g == LOSS:
@@ -569,10 +678,13 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             nodes.append(Node(i, head.name, d["kind"], 0.0, b, 0, extra, part_of=new_id[lead]))
             members.append(d["members"])
             continue
-        b, own = int(d["bytes"]), 0
+        b, own, made = int(d["bytes"]), 0, int(d["bytes"])
         if g in returned:
             extra["returned"] = True
             b, own = 0, int(d["bytes"])
+        if i in owner:   # (written into its owner's buffer: nothing of its own)
+            extra["inplace_of"] = owner[i]
+            b, made = 0, 0
         # a returned part (a gradient of a convolution's or batch norm's backward): made while the
         # op runs (its bytes are in the op's workspace already) and kept to the step's end
         # (a dead part, the first, merged into its leader: its place in `returned` went to the leader)
@@ -587,9 +699,11 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         extra["flops"] = d["flops"]
         t = sum(times(n) for n in d["members"])
         # (a returned tensor is made while the op runs: its bytes are in the op's workspace too)
-        nodes.append(Node(i, head.name, d["kind"], float(t), b, int(d["ws"]) + own, extra,
+        nodes.append(Node(i, head.name, d["kind"], float(t), b, int(d["ws"]) + (own if made else 0), extra,
                           persistent_bytes=persistent))
         members.append(d["members"])
+    for v, o in owner.items():   # (the owner's buffer lives to the last reader of what is written into it)
+        edges.update((o, w) for a, w in list(edges) if a == v)
     graph = Graph(nodes, sorted(edges), fixed, {"granularity": "compiled", "name": name, "backward_edges": "saved",
                                                 "capture": "torch.compile (AOTAutograd joint graph)"})
     return JointGraph(graph, members)
@@ -607,23 +721,49 @@ class Program:
     recomputed_ops: int   # ops of the backward graph that the forward graph runs too
 
 
-def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes) -> tuple[int, float, dict]:
+def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes, buffers: bool = False,
+            made_here: set | None = None) -> tuple[int, float, dict]:
     """Run `gm`'s ops over the storages `live` (key -> bytes; storages in `fixed` are not
     counted): each op allocates its outputs' new storages (and its scratch while it runs), each
     storage is freed after the last op reading a tensor on it (the boxed calling convention: the
-    graph's inputs too), the outputs' storages stay.  Returns (the peak of the live bytes, the
-    ops' time, what is live at the end)."""
+    graph's inputs too), the outputs' storages stay.  With `buffers` (inductor's buffer
+    rewrites): a matrix product folded into the sum that reads it (`folds_into_addmm`, both
+    reading a tangent or neither) makes no storage and reads its inputs where the sum runs; in a
+    backward graph, `made_here` (the names of the forward ops it always computes itself) given,
+    an op that writes into an argument's buffer (`inplace_source`) takes that storage.  Returns
+    (the peak of the live bytes, the ops' time, what is live at the end)."""
     nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
     keys: dict = {}
     for n in nodes:
         keys[n] = [storage_key(t) for t in _tensors(n.meta.get("val"))]
+    backward: set = set()
+    for n in nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    fold: dict = {}   # a folded matrix product -> the sum it is made by
+    if buffers:
+        for n in nodes:
+            u = folds_into_addmm(n)
+            if u is not None and (n in backward) == (u in backward):
+                fold[n] = u
+    same: dict = {}   # storage key -> the storage it is written into
+    if buffers and made_here is not None:
+        here = {n for n in nodes if n.name in made_here}
+        for n in nodes:
+            a = inplace_source(n, backward, here)
+            if a is not None:
+                same[keys[n][0]] = same.get(keys[a][0], keys[a][0])
+        for n in nodes:
+            keys[n] = [same.get(k, k) for k in keys[n]]
     last: dict = {}
     for i, n in enumerate(nodes):
+        at = index[fold[n]] if n in fold else i
         for k in keys[n]:
-            last[k] = max(last.get(k, i), i)
+            last[k] = max(last.get(k, at), at)
         for a in n.all_input_nodes:
             for k in keys.get(a, ()):
-                last[k] = i
+                last[k] = max(last.get(k, at), at)
     out = next(n for n in nodes if n.op == "output")
     kept = {k for a in out.all_input_nodes for k in keys.get(a, ())}
     live, peak, total = dict(live), sum(live.values()), 0.0
@@ -632,14 +772,16 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes) -> tuple
         if k not in kept and k not in fixed:
             free_at.setdefault(i, []).append(k)
     for i, n in enumerate(nodes):
-        if n.op == "call_function" and not is_alias(n):
+        if n in fold:   # (made where its sum runs, into the sum's storage)
+            total += times(n)
+        elif n.op == "call_function" and not is_alias(n):
             tensors = _tensors(n.meta.get("val"))
             if n.meta.get("val") is None:   # (an op without a value of its own, the partitioner's
                 # ``run_and_save_rng_state``: its results are its ``getitem`` readers')
                 tensors = [t for u in n.users if u.target is operator.getitem for t in _tensors(u.meta.get("val"))]
             new = {}
             for t in tensors:
-                k = storage_key(t)
+                k = same.get(storage_key(t), storage_key(t))
                 if k not in live and k not in fixed:
                     new[k] = _nbytes(t)
             live.update(new)
@@ -651,7 +793,8 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes) -> tuple
 
 
 def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
-            times: OpTimes | None = None, copies: dict | None = None) -> Program:
+            times: OpTimes | None = None, copies: dict | None = None, buffers: bool = False,
+            made_here: set | None = None) -> Program:
     """The peak and time of the partitioner's forward and backward graphs, replayed op by op
     (`_replay`): the primals are fixed bytes; the region's results stay through the backward
     (the caller holds them); the saved values from the forward to their last use in the backward;
@@ -659,7 +802,9 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     aot_eager backends, which run these graphs' ops as they are; for inductor, whose kernels and
     buffers are its own (module docstring), `copies` (`layout_copies` of `fw`) are the forward's
     inputs it copies at its start: each copy lives to its last use in the forward or, saved in
-    its input's place, to its last use in the backward."""
+    its input's place, to its last use in the backward; `buffers` (with `made_here`, the names of
+    the forward ops the backward always computes: `JointGraph.made_here`) follows its buffer
+    rewrites (`_replay`)."""
     times = times or OpTimes(region_device(fw))
     copies = copies or {}
     fixed: dict = {}   # the forward's inputs: parameters, buffers, the batch
@@ -669,7 +814,7 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
                 fixed.setdefault(storage_key(t), _nbytes(t))
     fixed_bytes = sum(fixed.values())
     as_is = set(fixed) - set(copies)   # (the inputs the graphs read as they are)
-    f_peak, f_time, _ = _replay(fw, dict(copies), as_is, times)
+    f_peak, f_time, _ = _replay(fw, dict(copies), as_is, times, buffers)
     out = next(n for n in fw.graph.nodes if n.op == "output")
     results = out.args[0][:num_fwd_outputs]
     held = {storage_key(t): _nbytes(t) for a in results if isinstance(a, fx.Node) for t in _tensors(a.meta.get("val"))
@@ -686,7 +831,7 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     # what the forward hands the backward: the backward's inputs but the tangents (a recomputed
     # random op's generator state among them: 5,056 bytes on a CPU)
     saved = sum(start.values()) - tangents
-    b_peak, b_time, _ = _replay(bw, start, as_is | set(held), times)
+    b_peak, b_time, _ = _replay(bw, start, as_is | set(held), times, buffers, made_here)
     b_peak += sum(held.values())
     fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
     again = sum(1 for n in bw.graph.nodes if n.op == "call_function" and n.name in fw_ops and not is_alias(n))
@@ -694,12 +839,12 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
                    f_peak + fixed_bytes, b_peak + fixed_bytes, again)
 
 
-def knapsack_sets(gm: fx.GraphModule, joint_inputs: Any, jg: JointGraph, budgets: tuple = (0.9, 0.7, 0.5, 0.3),
+def knapsack_sets(gm: fx.GraphModule, joint_inputs: Any, jg: JointGraph, budgets: tuple = (1.0, 0.9, 0.7, 0.5, 0.3),
                   **kwargs: Any) -> list[set[int]]:
     """What PyTorch's own partitioner recomputes at each ``activation_memory_budget`` in
     `budgets`: for each, the nodes of `jg` (forward) whose fx ops the backward graph of
     ``min_cut_rematerialization_partition`` runs again (the partitioner copies a node under its
-    name).  `gm` is the joint graph `jg` was made of, untagged (its graph is put back after each
+    name); at 1 the knapsack is off and the set is its default min cut's.  `gm` is the joint graph `jg` was made of, untagged (its graph is put back after each
     cut); `kwargs` are the partitioner's (``num_fwd_outputs``...).  A budget whose cut fails is
     left out.  These are starts for `remat.core.compiled.fit`: the knapsack recomputes cheap
     pointwise ops whose kernels inductor fuses into the backward's, a set the planner's own

@@ -11,7 +11,7 @@ and outputs still alive, less region k's own inputs, plus what their programs sa
 regions are active is followed at run time: a region is active from its forward to its backward
 (a pre-hook on its outputs' ``grad_fn``), and one that runs again while active starts a new step.  A
 relative budget (``"0.6x"``) is resolved against the keep-all peak of the region that starts the
-step (with nothing held) and shared in bytes by the regions after it.  A later region's
+step (with nothing held: the program of its compiled class that recomputes nothing) and shared in bytes by the regions after it.  A later region's
 parameters, buffers and batch tensors are resident through the earlier regions too, and its
 parameters' gradients, made in its backward, through theirs: the earlier plans were made first,
 so these bytes are added to the earlier regions' peaks when the later region is compiled
@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from remat.core.compiled import program as compiled_program
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.core.graph import Graph
 from remat.core.units import format_bytes_exact
@@ -45,9 +46,9 @@ log = logging.getLogger("remat.compiled")
 
 
 TRIES = 4   # plans per region until the partitioner's graphs fit the budget
-# activation_memory_budget values whose knapsack sets (what PyTorch's partitioner recomputes)
-# the plan's search also fits from (`knapsack_sets`)
-KNAPSACK = (0.9, 0.7, 0.5, 0.3)
+# activation_memory_budget values whose sets (what PyTorch's partitioner recomputes: at 1, its
+# default min cut; below, its knapsack) the plan's search also fits from (`knapsack_sets`)
+KNAPSACK = (1.0, 0.9, 0.7, 0.5, 0.3)
 
 
 @dataclass
@@ -94,7 +95,7 @@ class RematCompiler:
 
     def __init__(self, budget: "str | int", backend: str = "inductor", solver: str = "ilp", time_limit: float = 30.0,
                  profile: str = "measure", flops_model: FlopsModel | None = None, reserve: "str | int" = 0,
-                 knapsack: tuple = KNAPSACK, fused: bool | None = None, **options: Any):
+                 knapsack: tuple = KNAPSACK, fused: bool | None = None, buffers: bool = False, **options: Any):
         if backend not in BACKENDS:
             raise InvalidInputError(f"remat.compiler: backend must be one of {BACKENDS}, got {backend!r}")
         if options.get("swap"):
@@ -107,10 +108,13 @@ class RematCompiler:
             raise InvalidInputError(f"remat.compiler: profile must be 'measure' or 'flops', got {profile!r}")
         self.profile, self.flops_model, self.options = profile, flops_model, options
         self.reserve = parse_budget(reserve) if reserve else 0
-        if any(not 0 <= b < 1 for b in knapsack):
-            raise InvalidInputError(f"remat.compiler: knapsack budgets must be in [0, 1), got {knapsack!r}")
+        if any(not 0 <= b <= 1 for b in knapsack):
+            raise InvalidInputError(f"remat.compiler: knapsack budgets must be in [0, 1], got {knapsack!r}")
         self.knapsack = tuple(knapsack)
         self.fused = backend == "inductor" if fused is None else bool(fused)
+        if buffers and backend != "inductor":
+            raise InvalidInputError(f"remat.compiler: buffers models inductor's buffer rewrites; backend is {backend!r}")
+        self.buffers = bool(buffers)
         self.regions: list[Region] = []
         self.step_budget: int | None = None   # bytes, once a relative budget is resolved
         self._active: list[int] = []          # regions between their forward and their backward
@@ -262,10 +266,11 @@ class RematCompiler:
         times = OpTimes(region_device(gm), measure=self.profile == "measure", flops_model=self.flops_model,
                         limit_bytes=known, codegen=inductor, channels_last=channels_last, fused=self.fused)
         jg = joint_graph(gm, num_fwd, name=f"region{len(self.regions)}", times=times,
-                         copies=layout_copies(gm, channels_last))
+                         copies=layout_copies(gm, channels_last), buffers=self.buffers)
         held, before = self._held, self._held_from
         if not before or self.step_budget is None:   # (a region that starts the step)
-            self.step_budget = parse_budget(self.budget, jg.graph)
+            # ("1x": the compiled step that saves every forward value the backward reads)
+            self.step_budget = parse_budget(self.budget, jg.graph, base=compiled_program(jg.graph, set())[1].peak_bytes)
         step_budget = self.step_budget
         self._check_earlier(before, step_budget)
         # (the region that starts the step leaves `reserve` free for the regions after a graph
@@ -316,7 +321,8 @@ class RematCompiler:
             # as this try tagged it: every try partitions the graph `jg` was made of)
             gm.graph = joint
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
-            prog = program(fw, bw, num_fwd, times, copies=layout_copies(fw) if inductor else None)
+            prog = program(fw, bw, num_fwd, times, copies=layout_copies(fw) if inductor else None,
+                           buffers=self.buffers, made_here=jg.made_here)
             tries.append({"budget_bytes": target, "planned_peak_bytes": p.predicted["peak_bytes"],
                           "peak_bytes": prog.peak_bytes})
             if best is None or prog.peak_bytes < best[3].peak_bytes or prog.peak_bytes <= budget:
@@ -403,7 +409,7 @@ def _partitioner(owner: RematCompiler):
 
 def compiler(budget: "str | int", backend: str = "inductor", solver: str = "ilp", **options: Any) -> RematCompiler:
     """``remat.compiler(budget, backend="inductor", solver="ilp", time_limit=30, profile="measure",
-    reserve=0, knapsack=(0.9, 0.7, 0.5, 0.3), fused=None)``: a ``torch.compile`` backend whose
+    reserve=0, knapsack=(1, 0.9, 0.7, 0.5, 0.3), fused=None, buffers=False)``: a ``torch.compile`` backend whose
     partitioner follows remat's plan of each region's joint graph at `budget` (bytes, ``"6GiB"``,
     or ``"0.5x"`` of the keep-all peak of the region that starts the step), each region after a
     graph break within its share (module docstring).  `backend`: ``"inductor"`` (code
@@ -413,10 +419,16 @@ def compiler(budget: "str | int", backend: str = "inductor", solver: str = "ilp"
     counts (``"flops"``).  `reserve`: bytes the region that starts the step leaves free for the
     regions after a graph break (the error of a region that does not fit its share names what it
     needs).  `knapsack`: the ``activation_memory_budget`` values at which
-    PyTorch's own partitioner is asked what it would recompute, each a start of the plan's search
+    PyTorch's own partitioner is asked what it would recompute (1: its default min cut, which
+    recomputes cheap pointwise ops to save less), each a start of the plan's search
     (`remat.frontends.compiled.knapsack_sets`; ``()``: none).  `fused` (default: with inductor):
     the ops inductor generates kernels for are priced as parts of fused kernels
-    (`remat.frontends.compiled.OpTimes`), not at their eager times."""
+    (`remat.frontends.compiled.OpTimes`), not at their eager times.  `buffers` (inductor only; off
+    by default until every step it reaches is measured within its budget): the buffer rewrites
+    inductor makes, modelled in the plan and the replay: the backward's scatters into zeros (a
+    max pool's, an embedding's backward) written in the zeros' buffer
+    (`remat.frontends.compiled.inplace_source`), a matrix product folded into the sum that reads
+    it (``addmm``: `remat.frontends.compiled.folds_into_addmm`)."""
     return RematCompiler(budget, backend, solver, **options)
 
 

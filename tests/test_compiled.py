@@ -301,9 +301,9 @@ def test_inductor_copies_a_convolutions_graph_inputs_to_channels_last():
 
 def test_the_partitioners_knapsack_sets_are_starts_of_the_plans_search(reference, monkeypatch):
     """`knapsack_sets` reads back what PyTorch's partitioner recomputes at each
-    ``activation_memory_budget``: recomputable forward nodes only, more bytes of them at a lower
-    budget, and the joint graph left as it was; the plan fits from each and names the start it
-    kept."""
+    ``activation_memory_budget`` (1: its default min cut): recomputable forward nodes only, more
+    bytes of them at a lower budget, and the joint graph left as it was; the plan fits from each
+    and names the start it kept."""
     import remat.compiling as compiling
     seen = []
 
@@ -316,14 +316,14 @@ def test_the_partitioners_knapsack_sets_are_starts_of_the_plans_search(reference
     knapsack_sets = compiling.knapsack_sets
     monkeypatch.setattr(compiling, "knapsack_sets", spy)
     model, x, _, _ = reference
-    m, rc, c = _compiled(model, x, "0.7x", knapsack=(0.9, 0.1))
+    m, rc, c = _compiled(model, x, "0.7x", knapsack=(1, 0.9, 0.1))
     [(jg, budgets, sets)] = seen
-    assert budgets == (0.9, 0.1) and len(sets) == 2
+    assert budgets == (1, 0.9, 0.1) and len(sets) == 3
     free = compiled.recomputable(jg.graph) | compiled.backward_only(jg.graph)
     assert all(R <= free for R in sets)
     size = [sum(jg.graph.nodes[v].bytes for v in R - compiled.backward_only(jg.graph)) for R in sets]
-    assert size[1] > 0 and size[1] >= size[0]
-    assert rc.regions[0].plan.solver["compiled_start"] in ("the solver's", "none", "all", "start 0", "start 1")
+    assert size[2] > 0 and size[2] >= size[1]
+    assert rc.regions[0].plan.solver["compiled_start"] in ("the solver's", "none", "all", "start 0", "start 1", "start 2")
     with pytest.raises(InvalidInputError, match="knapsack budgets"):
         remat.compiler("0.5x", knapsack=(1.5,))
 
@@ -347,7 +347,7 @@ def test_inductor_copies_are_nodes_the_plan_saves_to_their_last_use(one_torch_th
             return self.c(torch.relu(self.b(torch.relu(self.a(x))))).square().mean()
     torch.manual_seed(0)
     x = torch.randn(4, 3, 24, 24)
-    m, rc, c = _compiled(Net(), x, "0.8x", backend="inductor")
+    m, rc, c = _compiled(Net(), x, "0.85x", backend="inductor")
     [region] = rc.regions
     g = region.graph
     copies = [v for v in g.nodes if v.extra.get("always_saved")]
@@ -360,6 +360,58 @@ def test_inductor_copies_are_nodes_the_plan_saves_to_their_last_use(one_torch_th
     assert not {v.name for v in copies} & set(region.plan.predicted["recomputed"])
     assert all(t["planned_peak_bytes"] == t["peak_bytes"] for t in region.tries), region.tries
     assert region.recomputed_ops
+
+
+class TiedHead(torch.nn.Module):
+    """An embedding whose weight is also the output layer's (as GPT-2's LM head): its gradient is
+    the embedding's backward (a scatter into zeros) added to the head's matrix product."""
+
+    def __init__(self, vocab: int = 4096, width: int = 64):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.mid = torch.nn.Linear(width, width)
+
+    def forward(self, ids):
+        h = torch.relu(self.mid(self.emb(ids)))
+        return (h @ self.emb.weight.t()).square().mean()
+
+
+def test_inductors_buffer_rewrites_are_modelled_where_asked(one_torch_thread):
+    """With ``buffers=True`` the embedding's backward (a scatter into zeros), which inductor
+    writes in the zeros' buffer, allocates nothing in the plan's graph, and the head's matrix
+    product joins the sum of the tied gradients that inductor folds it into (``addmm``): the
+    class's program of every try is the replay of the partitioner's graphs byte for byte, the
+    keep-all program is lower than without by most of a weight (the step's end, its peak without
+    them, held four weight-sized buffers: the product, the zeros, the scatter, the sum; inductor
+    two), and the step measures at or below the prediction: within 0.5 % with them, 22 % under
+    without."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 4096, (2, 4))   # (few tokens: the step's end, with the weight's gradients, is its peak)
+    model = TiedHead()
+    progs = {}
+    for buffers in (False, True):
+        m, rc, c = _compiled(model, ids, "1.0x", backend="inductor", knapsack=(), buffers=buffers)
+        [region] = rc.regions
+        g = region.graph
+        written = [v for v in g.nodes if "inplace_of" in v.extra]
+        assert all(t["planned_peak_bytes"] == t["peak_bytes"] for t in region.tries), region.tries
+        progs[buffers] = compiled.program(g, set())[1].peak_bytes
+        measured = _allocator_peak(c, m, ids)
+        assert measured <= region.program.peak_bytes
+        folded = [v for v in g.nodes if v.extra.get("op") == "add.Tensor" and v.kind == "backward"
+                  and any(name.startswith("mm") for name in v.extra["ops"])]
+        if buffers:
+            [v] = written
+            assert "index_put" in v.extra["op"] and v.bytes == 0 and v.kind == "backward"
+            assert g.nodes[v.extra["inplace_of"]].extra["op"] == "full.default"
+            assert len(folded) == 1
+            assert measured == pytest.approx(region.program.peak_bytes, rel=5e-3)
+        else:
+            assert not written and not folded
+            assert measured < 0.8 * region.program.peak_bytes
+    assert progs[False] - progs[True] > model.emb.weight.nbytes * 3 // 4
+    with pytest.raises(InvalidInputError, match="buffers"):
+        remat.compiler("0.5x", backend="aot_eager", buffers=True)
 
 
 @pytest.mark.slow
@@ -476,8 +528,8 @@ def test_each_try_partitions_the_graph_with_its_own_tags(reference, monkeypatch)
     real = compiling.program
     seen = []
 
-    def first_over(fw, bw, n, times=None, copies=None):
-        p = real(fw, bw, n, times, copies)
+    def first_over(fw, bw, n, times=None, copies=None, buffers=False, made_here=None):
+        p = real(fw, bw, n, times, copies, buffers, made_here)
         seen.append(p)
         over = p.peak_bytes + (p.peak_bytes - p.fixed_bytes) // 5   # (the first try: over by a fifth of it)
         return dataclasses.replace(p, peak_bytes=over) if len(seen) == 1 else p
