@@ -33,12 +33,14 @@ generates kernels for are priced by the bytes a fused kernel moves for them; wit
 into zeros written in place (`inplace_source`), a matrix product folded into the sum that reads
 it (`folds_into_addmm`).  Not modelled: its memory-aware reordering (an op whose
 output only the caller reads, made from small inputs, run after the peak: torchvision
-ResNet-50's classifier weight gradient measured 8.19 MB under the replay); its fused kernels
+ResNet-50's classifier weight gradient: its steps measure 8.13 MB under the replay, 30 KB with
+the reordering off); its fused kernels
 allocate their outputs together and free their inputs after the kernel, which the op-by-op
 replay does not follow: transformers' tightest plans measured up to 2.8 % above the prediction
 (a 2-layer GPT-2 at 0.6x; the zoo GPT-2 at 0.5x 0.4 %), the MLPs at or below it; a ResNet-18
-(batch 32, 128 px) 0.8 % above at budgets of 0.69-0.71x its keep-all, the peak inside a
-convolution's backward (not yet explained; with ``buffers``, whose plans reach lower, up to 9 %).
+(batch 32, 128 px) 0.3-1.3 % above at 0.69-0.71x of its keep-all (over its budget at 0.71x),
+the peak inside a convolution's backward, not yet explained (with ``buffers``, whose plans reach
+lower, up to 9 %).
 
 Limits, named: no swap (offload) plans yet; with graph breaks each region is planned within its
 share of the budget, first come, first served (``remat.compiling``: the regions before it hold
