@@ -31,12 +31,11 @@ their scratch measured on channels-last tensors (`OpTimes`); with ``fused``, the
 generates kernels for are priced by the bytes a fused kernel moves for them; with ``buffers``
 (`remat.compiler` option, off by default), two of its buffer rewrites: the backward's scatters
 into zeros written in place (`inplace_source`), a matrix product folded into the sum that reads
-it (`folds_into_addmm`).  Not modelled: its memory-aware reordering (an op whose
-output only the caller reads, made from small inputs, run after the peak: torchvision
-ResNet-50's classifier weight gradient: its steps measure 8.13 MB under the replay, 30 KB with
-the reordering off); its fused kernels
-allocate their outputs together and free their inputs after the kernel, which the op-by-op
-replay does not follow: transformers' tightest plans measured up to 2.8 % above the prediction
+it (`folds_into_addmm`).  Not modelled: its memory-aware reordering (an op whose output only
+the caller reads, made from small inputs, run after the peak: torchvision ResNet-50's classifier
+weight gradient: its steps measure 8.13 MB under the replay, 30 KB with the reordering off); its
+fused kernels allocate their outputs together and free their inputs after the kernel, which the
+op-by-op replay does not follow: transformers' tightest plans measured up to 2.8 % above the prediction
 (a 2-layer GPT-2 at 0.6x; the zoo GPT-2 at 0.5x 0.4 %), the MLPs at or below it; a ResNet-18
 (batch 32, 128 px) 0.3-1.3 % above at 0.69-0.71x of its keep-all (over its budget at 0.71x),
 the peak inside a convolution's backward, not yet explained (with ``buffers``, whose plans reach
@@ -846,8 +845,9 @@ def knapsack_sets(gm: fx.GraphModule, joint_inputs: Any, jg: JointGraph, budgets
     """What PyTorch's own partitioner recomputes at each ``activation_memory_budget`` in
     `budgets`: for each, the nodes of `jg` (forward) whose fx ops the backward graph of
     ``min_cut_rematerialization_partition`` runs again (the partitioner copies a node under its
-    name); at 1 the knapsack is off and the set is its default min cut's.  `gm` is the joint graph `jg` was made of, untagged (its graph is put back after each
-    cut); `kwargs` are the partitioner's (``num_fwd_outputs``...).  A budget whose cut fails is
+    name); at 1 the knapsack is off and the set is its default min cut's.  `gm` is the joint
+    graph `jg` was made of, untagged (its graph is put back after each cut); `kwargs` are the
+    partitioner's (``num_fwd_outputs``...).  A budget whose cut fails is
     left out.  These are starts for `remat.core.compiled.fit`: the knapsack recomputes cheap
     pointwise ops whose kernels inductor fuses into the backward's, a set the planner's own
     search may not reach."""

@@ -11,12 +11,12 @@ and outputs still alive, less region k's own inputs, plus what their programs sa
 regions are active is followed at run time: a region is active from its forward to its backward
 (a pre-hook on its outputs' ``grad_fn``), and one that runs again while active starts a new step.  A
 relative budget (``"0.6x"``) is resolved against the keep-all peak of the region that starts the
-step (with nothing held: the program of its compiled class that recomputes nothing) and shared in bytes by the regions after it.  A later region's
-parameters, buffers and batch tensors are resident through the earlier regions too, and its
-parameters' gradients, made in its backward, through theirs: the earlier plans were made first,
-so these bytes are added to the earlier regions' peaks when the later region is compiled
-(`Region.step_peak`), and a step they take over the budget fails there, naming the reserve
-that makes the first region leave room.  `RematCompiler.report` names each region's share and
+step (with nothing held: the program of its compiled class that recomputes nothing) and shared
+in bytes by the regions after it.  A later region's parameters, buffers and batch tensors are
+resident through the earlier regions too, and its parameters' gradients, made in its backward,
+through theirs: the earlier plans were made first, so these bytes are added to the earlier
+regions' peaks when the later region is compiled (`Region.step_peak`), and a step they take
+over the budget fails there, naming the reserve that makes the first region leave room.  `RematCompiler.report` names each region's share and
 the step's predicted peak (`RematCompiler.step_peak_bytes`).
 """
 from __future__ import annotations
