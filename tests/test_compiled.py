@@ -502,11 +502,12 @@ def test_a_decomposed_cnn_step_is_the_program_of_its_class(one_torch_thread):
     max pool become many ops, and the backward of the max pool starts from zeros the partitioner
     runs where they sit among the backward ops (``extra["follows"]``), not at their first use:
     the class's program of each try is the replay of what the partitioner built, byte for byte,
-    and the measured step is that prediction."""
+    and the measured step is that prediction (at 0.9x: a recomputing plan; the partitioner's own
+    sets as starts are another test's, left out to keep the suite short)."""
     model, x = _resnet_with_loss()
-    for budget in ("1.0x", "0.9x"):
+    for budget in ("0.9x",):
         # (op times and scratch measured: a convolution's unfolded input, the eager max pool's)
-        m, rc, c = _compiled(model, x, budget, backend="aot_eager_decomp_partition")
+        m, rc, c = _compiled(model, x, budget, backend="aot_eager_decomp_partition", knapsack=())
         [region] = rc.regions
         assert all(t["planned_peak_bytes"] == t["peak_bytes"] for t in region.tries), region.tries
         assert any(v.extra.get("follows") is not None for v in region.graph.nodes)
