@@ -563,8 +563,9 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             if src >= 0:
                 groups[src]["members"].append(n)
             continue
-        if buffers and folds_into_addmm(n) is not None:
-            folded[folds_into_addmm(n)] = n   # (made by its sum's node, if of the same kind: below)
+        into = folds_into_addmm(n) if buffers else None
+        if into is not None:
+            folded[into] = n   # (made by its sum's node, if of the same kind: below)
             continue
         m = folded.pop(n, None)
         if m is not None and (m in tangent_dep) != back:   # (a forward product, a backward sum: apart)
@@ -738,8 +739,8 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes, buffers:
     keys: dict = {}
     for n in nodes:
         keys[n] = [storage_key(t) for t in _tensors(n.meta.get("val"))]
-    backward: set = set()
-    for n in nodes:
+    backward: set = set()   # (the ops that read a tangent: only the buffer rewrites ask)
+    for n in nodes if buffers else ():
         if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in backward for a in n.all_input_nodes):
             backward.add(n)
     fold: dict = {}   # a folded matrix product -> the sum it is made by
@@ -840,7 +841,7 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
                    f_peak + fixed_bytes, b_peak + fixed_bytes, again)
 
 
-def knapsack_sets(gm: fx.GraphModule, joint_inputs: Any, jg: JointGraph, budgets: tuple = (1.0, 0.9, 0.7, 0.5, 0.3),
+def knapsack_sets(gm: fx.GraphModule, joint_inputs: Any, jg: JointGraph, budgets: tuple,
                   **kwargs: Any) -> list[set[int]]:
     """What PyTorch's own partitioner recomputes at each ``activation_memory_budget`` in
     `budgets`: for each, the nodes of `jg` (forward) whose fx ops the backward graph of

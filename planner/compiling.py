@@ -16,8 +16,9 @@ in bytes by the regions after it.  A later region's parameters, buffers and batc
 resident through the earlier regions too, and its parameters' gradients, made in its backward,
 through theirs: the earlier plans were made first, so these bytes are added to the earlier
 regions' peaks when the later region is compiled (`Region.step_peak`), and a step they take
-over the budget fails there, naming the reserve that makes the first region leave room.  `RematCompiler.report` names each region's share and
-the step's predicted peak (`RematCompiler.step_peak_bytes`).
+over the budget fails there, naming the reserve that makes the first region leave room.
+`RematCompiler.report` names each region's share and the step's predicted peak
+(`RematCompiler.step_peak_bytes`).
 """
 from __future__ import annotations
 
@@ -285,6 +286,7 @@ class RematCompiler:
                 "(fullgraph=True shows where)", budget_bytes=step_budget, min_feasible_bytes=held + jg.graph.fixed_bytes)
         target, tries, best, joint = budget, [], None, gm.graph
         names = [v.name for v in jg.graph.nodes]
+        made_here = jg.made_here if self.buffers else None
         starts = [[names[v] for v in sorted(R)] for R in knapsack_sets(gm, joint_inputs, jg, self.knapsack, **kwargs)]
         for _ in range(TRIES):
             try:
@@ -322,7 +324,7 @@ class RematCompiler:
             gm.graph = joint
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
             prog = program(fw, bw, num_fwd, times, copies=layout_copies(fw) if inductor else None,
-                           buffers=self.buffers, made_here=jg.made_here)
+                           buffers=self.buffers, made_here=made_here)
             tries.append({"budget_bytes": target, "planned_peak_bytes": p.predicted["peak_bytes"],
                           "peak_bytes": prog.peak_bytes})
             if best is None or prog.peak_bytes < best[3].peak_bytes or prog.peak_bytes <= budget:
@@ -409,8 +411,8 @@ def _partitioner(owner: RematCompiler):
 
 def compiler(budget: "str | int", backend: str = "inductor", solver: str = "ilp", **options: Any) -> RematCompiler:
     """``remat.compiler(budget, backend="inductor", solver="ilp", time_limit=30, profile="measure",
-    reserve=0, knapsack=(1, 0.9, 0.7, 0.5, 0.3), fused=None, buffers=False)``: a ``torch.compile`` backend whose
-    partitioner follows remat's plan of each region's joint graph at `budget` (bytes, ``"6GiB"``,
+    reserve=0, knapsack=(1, 0.9, 0.7, 0.5, 0.3), fused=None, buffers=False)``: a
+    ``torch.compile`` backend whose partitioner follows remat's plan of each region's joint graph at `budget` (bytes, ``"6GiB"``,
     or ``"0.5x"`` of the keep-all peak of the region that starts the step), each region after a
     graph break within its share (module docstring).  `backend`: ``"inductor"`` (code
     generation), ``"aot_eager"`` (the joint graph's ops as they are, run eagerly) or
