@@ -14,7 +14,15 @@ Given the set R of forward nodes tagged *recompute* (every other forward node is
   before it; a decomposed max-pool backward's zeros, say) is walked to there, not at its first
   use; each value freed after its last use.
 
-So each forward node runs at most twice: once in the forward, once (if in R) in the backward.
+With a backend that generates its own kernels (inductor), two marks of the frontend's follow
+its code: a node of R marked ``extra["inlined"]`` (a pointwise value it would not store) is an
+``inline`` op right before each of its readers in the backward (no bytes; what it reads lives
+to its last reader), and a node marked ``extra["in_place"]`` follows an ``into`` op on an input
+its kernel reads last, of the same bytes and ``extra["layout"]``, not returned (it writes its
+result into that buffer); neither where the node is saved or returned.
+
+So each forward node runs at most twice: once in the forward, once (if in R) in the backward
+(an inlined one once per reader there).
 `compiled_schedule` writes that program as a `Schedule`, which `simulate` then prices: the
 plan's prediction is the simulation of what the partitioner builds, not of the solver's schedule.
 """
@@ -32,7 +40,7 @@ def recomputed_of(graph: Graph, schedule: Schedule) -> set[int]:
     loss = next(v.id for v in nodes if v.kind == "loss")
     after, out = False, set()
     for o in schedule.ops:
-        if o.op != "compute":
+        if o.op not in ("compute", "inline"):
             continue
         if o.node == loss:
             after = True
@@ -90,12 +98,27 @@ def compiled_schedule(graph: Graph, recompute: set[int]) -> Schedule:
     # the backward's walk: each backward node, and each node of R that sits among the backward
     # ops in the joint graph (``extra["follows"]``: the backward node before it), with what it
     # needs of R not computed yet
+    # (a node of R the backend computes inside its readers' kernels, ``extra["inlined"]``: an
+    # ``inline`` op, no bytes of its own, right before each reader in the backward, freed after
+    # it, so what it reads lives to its last reader)
+    inline = {u for u in R if nodes[u].extra.get("inlined") and nodes[u].part_of is None and len(graph.members_of(u)) == 1}
+
+    def inlined_into(x: int) -> list[int]:
+        out: set[int] = set()
+        stack = [p for p in preds[x] if p in inline]
+        while stack:
+            u = stack.pop()
+            if u not in out:
+                out.add(u)
+                stack.extend(p for p in preds[u] if p in inline)
+        return sorted(out)
     follows: dict[int, list[int]] = {}
-    for u in sorted(R):
+    for u in sorted(R - inline):
         f = nodes[u].extra.get("follows")
         if f is not None and nodes[u].part_of is None:
             follows.setdefault(f, []).append(u)
     done: set[int] = set()
+    inlined_at: set[int] = set()   # (positions in `seq` of inline computes)
     walk: list[int] = []
     for i, b in enumerate(bwd):
         walk.append(b)
@@ -112,21 +135,31 @@ def compiled_schedule(graph: Graph, recompute: set[int]) -> Schedule:
                 continue
             want.add(u)
             stack.extend(p for p in preds[u] if p in R and p not in done)
-        for u in sorted(with_parts(graph, want)):
+        for u in sorted(with_parts(graph, want - inline)):
+            inlined_at.update(range(len(seq), len(seq) + len(into := inlined_into(u))))
+            seq.extend(into)
             seq.append(u)
             done.add(u)
         if w not in R:
+            inlined_at.update(range(len(seq), len(seq) + len(into := inlined_into(w))))
+            seq.extend(into)
             seq.append(w)
     # frees: each computed instance after its last reader before the node's next compute
     ops: list[Op] = []
     instances: list[tuple[int, int, int]] = []   # (node, compute position, last use position)
     open_at: dict[int, int] = {}
+    use_at = list(range(len(seq)))   # (an inline compute reads its inputs where its reader runs)
+    for k in range(len(seq) - 2, -1, -1):
+        if k in inlined_at:
+            use_at[k] = use_at[k + 1]
+    read_at: dict[int, list[int]] = {}   # position -> the instances its kernel reads
     for k, v in enumerate(seq):
         for p in preds[v]:
             if p in open_at:
                 i = open_at[p]
-                n_, start, _ = instances[i]
-                instances[i] = (n_, start, k)
+                n_, start, end = instances[i]
+                instances[i] = (n_, start, max(end, use_at[k]))
+                read_at.setdefault(use_at[k], []).append(i)
         open_at[v] = len(instances)
         instances.append((v, k, k))
     free_after: dict[int, list[int]] = {}
@@ -134,8 +167,22 @@ def compiled_schedule(graph: Graph, recompute: set[int]) -> Schedule:
         if nodes[v].extra.get("returned"):
             continue
         free_after.setdefault(end, []).append(v)
+    # (a node the backend may write into the buffer of an input its kernel reads last, of its
+    # size and layout, ``extra["in_place"]`` and ``extra["layout"]``: an ``into`` op before it;
+    # not a returned or saved one)
+    given: set[int] = set()
     for k, v in enumerate(seq):
-        ops.append(Op("compute", v))
+        if (k not in inlined_at and nodes[v].extra.get("in_place") and not nodes[v].extra.get("returned")
+                and v not in saved):
+            lay = nodes[v].extra.get("layout")
+            for i in read_at.get(k, ()):
+                p, start, end = instances[i]
+                if (end == k and i not in given and start not in inlined_at and nodes[p].extra.get("layout") == lay
+                        and nodes[p].bytes == nodes[v].bytes and not nodes[p].extra.get("returned")):
+                    given.add(i)
+                    ops.append(Op("into", p))
+                    break
+        ops.append(Op("inline" if k in inlined_at else "compute", v))
         for u in free_after.get(k, []):
             ops.append(Op("free", u))
     return Schedule(ops)

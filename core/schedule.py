@@ -34,7 +34,7 @@ from typing import Any, Iterable, Sequence
 from .errors import InvalidInputError
 from .graph import Graph
 
-OPS = ("compute", "free", "swap_out", "swap_in", "wait")
+OPS = ("compute", "free", "swap_out", "swap_in", "wait", "inline", "into")
 
 
 @dataclass

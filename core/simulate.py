@@ -18,7 +18,11 @@ backward node that allocates its parameter gradients while autograd frees the te
 (a module's backward) is counted as it runs.  ``free i`` releases i's device bytes (it must not race an in-flight transfer of
 i: ``wait i`` first).  ``swap_out i`` copies a resident i to the host (its device copy stays
 until a ``free i``).  ``swap_in i`` copies a host copy back, allocating the device bytes when it
-is issued.  ``wait i`` blocks the compute stream until i's last transfer is done.  The parts of an op with
+is issued.  ``wait i`` blocks the compute stream until i's last transfer is done.  Two ops model
+a compiler's kernels (the compiled class, `remat.core.compiled`): ``inline i`` computes i inside
+the kernel of the compute that follows, allocating nothing (i is resident for its readers, its
+free releases nothing); ``into i`` hands resident i's buffer to the compute that follows, which
+writes its output into it (i stays readable by it; its free releases nothing).  The parts of an op with
 several outputs (`remat.core.graph`) are computed together: a later part's compute must follow
 the compute of the part before it, and no other compute and no swap-in may come between the
 leader's compute and its last part's (only frees, waits and swap-outs, which allocate nothing):
@@ -102,7 +106,8 @@ class SimState:
 
     __slots__ = ("graph", "bandwidth", "check", "origin", "on_host", "xfer_end", "swap_in_end", "clock", "xclock",
                  "live", "during", "peak", "host", "host_peak", "compute_time", "transfer_time", "counts",
-                 "bytes_by_origin", "last_start", "last_end", "pending", "expect", "_nodes", "_preds", "_op_of")
+                 "bytes_by_origin", "last_start", "last_end", "pending", "expect", "_nodes", "_preds", "_op_of",
+                 "inlined")
 
     def __init__(self, graph: Graph, bandwidth: float | None = None, *, resident: Iterable[int] = (),
                  computed: Iterable[int] = (), live_bytes: int | None = None, check: bool = True):
@@ -117,6 +122,7 @@ class SimState:
         self.clock = 0.0
         self.xclock = 0.0
         self.counts: dict[int, int] = {v: 1 for v in computed}
+        self.inlined: set[int] = set()   # (resident without bytes of their own: ``inline`` ops)
         self.pending = 0  # persistent bytes of the last first compute, counted from the next allocation
         # the part of an op that must be computed next (-1: none); checked only with `check`
         self.expect = -1
@@ -169,6 +175,10 @@ class SimState:
         kind = op.op
         if kind == "compute":
             return self.compute(i)
+        if kind == "inline":
+            return self.compute(i, inline=True)
+        if kind == "into":
+            return self.give(i)
         if kind == "free":
             return self.free(i)
         if kind == "swap_out":
@@ -182,7 +192,10 @@ class SimState:
     def _name(self, i: int) -> str:
         return f"{i} ({self._nodes[i].name})"
 
-    def compute(self, i: int) -> str | None:
+    def compute(self, i: int, inline: bool = False) -> str | None:
+        """Compute node i; `inline` (an ``inline`` op): inside the kernel of the op that reads it
+        next, as a compiler that does not store it does: resident for its readers, no bytes of
+        its own (its inputs stay resident to its readers instead)."""
         preds, origin = self._preds[i], self.origin
         if self.check:
             for u in preds:
@@ -208,10 +221,13 @@ class SimState:
             self.settle()
         v = self._nodes[i]
         count = self.counts.get(i, 0)
-        during = self.live + v.bytes + v.workspace_bytes
+        nbytes = 0 if inline else v.bytes
+        if inline:
+            self.inlined.add(i)
+        during = self.live + nbytes + v.workspace_bytes
         how = "recomputed" if count else "computed"
-        self.live += v.bytes
-        self.bytes_by_origin[how] += v.bytes
+        self.live += nbytes
+        self.bytes_by_origin[how] += nbytes
         if not count:
             self.pending = v.persistent_bytes
         origin[i] = how
@@ -238,6 +254,20 @@ class SimState:
         self.expect = nxt if nxt < len(op_of) and op_of[nxt] != nxt else -1
         return None
 
+    def give(self, i: int) -> str | None:
+        """An ``into`` op: resident node i's buffer goes to the next compute, which writes its
+        result into it (a compiler's in-place kernel): i stays readable by that compute, its
+        bytes are no longer its own (its free releases nothing)."""
+        if self.check and (i not in self.origin or i in self.inlined):
+            return f"into node {self._name(i)}, which is not resident with a buffer of its own"
+        if i not in self.inlined:
+            self.inlined.add(i)
+            nbytes = self._nodes[i].bytes
+            self.live -= nbytes
+            self.bytes_by_origin[self.origin.get(i, "computed")] -= nbytes
+        self.during = self.live
+        return None
+
     def free(self, i: int) -> str | None:
         if self.check:
             if i not in self.origin:
@@ -246,6 +276,9 @@ class SimState:
                 return f"free of node {self._name(i)} while its transfer is in flight (insert 'wait {i}' first)"
         self.during = self.live  # (never above the peak)
         nbytes = self._nodes[i].bytes
+        if self.inlined and i in self.inlined:
+            self.inlined.discard(i)
+            nbytes = 0
         self.live -= nbytes
         self.bytes_by_origin[self.origin.pop(i, "computed")] -= nbytes
         if self.swap_in_end:
@@ -373,7 +406,7 @@ def compute_seconds(graph: Graph, ops: Iterable[Op]) -> float:
     seen: set = set()
     total = 0.0
     for op in ops:
-        if op.op == "compute":
+        if op.op in ("compute", "inline"):
             v = graph.nodes[op.node]
             total += v.recompute_cost if op.node in seen else v.time
             seen.add(op.node)

@@ -31,15 +31,19 @@ their scratch measured on channels-last tensors (`OpTimes`); with ``fused``, the
 generates kernels for are priced by the bytes a fused kernel moves for them; with ``buffers``
 (`remat.compiler` option, off by default), two of its buffer rewrites: the backward's scatters
 into zeros written in place (`inplace_source`), a matrix product folded into the sum that reads
-it (`folds_into_addmm`).  Not modelled: its memory-aware reordering (an op whose output only
-the caller reads, made from small inputs, run after the peak: torchvision ResNet-50's classifier
-weight gradient: its steps measure 8.13 MB under the replay, 30 KB with the reordering off); its
-fused kernels allocate their outputs together and free their inputs after the kernel, which the
-op-by-op replay does not follow: transformers' tightest plans measured up to 2.8 % above the prediction
-(a 2-layer GPT-2 at 0.6x; the zoo GPT-2 at 0.5x 0.4 %), the MLPs at or below it; a ResNet-18
-(batch 32, 128 px) 0.3-1.3 % above at 0.69-0.71x of its keep-all (over its budget at 0.71x),
-the peak inside a convolution's backward, not yet explained (with ``buffers``, whose plans reach
-lower, up to 9 %).
+it (`folds_into_addmm`).  Always with inductor: what its fused kernels store and where they
+write.  A pointwise value it does not store (`inductor_inlines`: its lowering's store-or-inline
+rules) is computed again inside each kernel that reads it, so what it reads lives to the last
+of those kernels (a residual gradient's sum read by two kernels keeps its three inputs, not one
+sum: 4 MiB over the op-by-op replay inside a ResNet-18's backward, over its budget); a stored
+pointwise result is written into the buffer of an input its kernel reads last, of its layout
+(`writes_into`: a batch norm's backward into the saved ReLU output).  Both in the replay, and in
+the plan's class (`remat.core.compiled`: backward ops it does not store have no bytes and their
+readers read what they read; recomputed forward ones are ``inline`` ops before each reader; an
+in-place result follows an ``into`` op).  Not modelled: its memory-aware reordering (an op
+whose output only the caller reads, made from small inputs, run after the peak: torchvision
+ResNet-50's classifier weight gradient: its steps measure 8.13 MB under the replay, 30 KB with
+the reordering off).
 
 Limits, named: no swap (offload) plans yet; with graph breaks each region is planned within its
 share of the budget, first come, first served (``remat.compiling``: the regions before it hold
@@ -359,6 +363,79 @@ def inplace_source(n: fx.Node, backward: set, made_here: set) -> fx.Node | None:
     return None
 
 
+# inductor's store-or-inline thresholds (``torch._inductor.config``; CPU, GPU)
+REALIZE_READS = 4                    # realize_reads_threshold: a value read by several kernels
+REALIZE_OPS = {"cpu": 50, "gpu": 30}  # realize_cpu_opcount_threshold, the default opcount threshold
+REALIZE_ACC_READS = {"cpu": 12, "gpu": 8}   # realize_cpu_acc_reads_threshold, the default
+HEAVY = ("exp", "exp2", "expm1", "log", "log10", "log1p", "log2", "sigmoid", "tanh")   # (realized on reuse on a CPU)
+REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "prod", "var", "var_mean",
+              "std", "any", "all", "logsumexp", "norm", "linalg_vector_norm")
+
+
+def inductor_inlines(gm: fx.GraphModule, stored: Any = ()) -> dict:
+    """The pointwise ops of `gm` whose results inductor never stores (it computes them again
+    inside every kernel that reads them), each with the ops whose stored results that
+    computation reads.  Inductor's lowering keeps an op's value unstored (``StorageBox`` not
+    realized) until something forces it: a reader that is an ATen or library kernel
+    (`inductor_generates` false for it), a non-pointwise reader other than a reduction
+    (`REDUCTIONS`; a scatter, a concatenation...), the graph's output, several readers with more
+    than `REALIZE_READS` stored inputs or a heavy op (`HEAVY`, on a CPU) or a large body
+    (`REALIZE_OPS` ops), or more than `REALIZE_ACC_READS` stored inputs at all.  Random ops,
+    fills read outside a pointwise kernel and every non-pointwise op are stored.  Memory: an
+    unstored op allocates nothing, and what it reads lives to the last kernel that computes it
+    (a residual gradient's sum read by two kernels keeps its three inputs, not one sum).  The
+    body's size is counted in fx ops (one each, and one per stored input), inductor's in its loop
+    body's operations: a bound, not its exact count.  `stored`: ops known to be stored (a sum
+    that inductor's ``addmm`` rewrite makes an ATen kernel's output)."""
+    device = "cpu" if region_device(gm).type == "cpu" else "gpu"
+    expr: dict = {}   # unstored op -> (the stored ops it reads, body ops, heavy)
+
+    def source(a: fx.Node) -> tuple:
+        return expr.get(a, (frozenset({a}), 1, False))
+
+    def name(n: fx.Node) -> str:
+        return getattr(n.target, "__name__", "").split(".")[0]
+
+    def forced(n: fx.Node) -> bool:   # (a reader that needs `n` stored)
+        for u in n.users:
+            if u.op != "call_function":
+                return True
+            if is_alias(u):
+                if forced(u):
+                    return True
+                continue
+            if not inductor_generates(u) or (torch.Tag.pointwise not in getattr(u.target, "tags", ())
+                                             and name(u) not in REDUCTIONS):
+                return True
+        return False
+
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if is_alias(n):
+            base = n.all_input_nodes[0] if n.all_input_nodes else None
+            if base in expr and n.target is not operator.getitem:
+                expr[n] = expr[base]
+            continue
+        op = _inner_op(n)[0] or n.target
+        nm = name(n)
+        pointwise = torch.Tag.pointwise in getattr(op, "tags", ()) or not n.all_input_nodes
+        if n in stored or not pointwise or not inductor_generates(n) or any(r in str(op) for r in ("rand", "bernoulli", "dropout", "rng")):
+            continue
+        reads, ops, heavy = set(), 1, nm in HEAVY
+        for a in n.all_input_nodes:
+            r, o, h = source(a)
+            reads |= r
+            ops += o
+            heavy |= h
+        users = len(n.users)
+        if (forced(n) or len(reads) > REALIZE_ACC_READS[device] or ops > REALIZE_OPS[device]
+                or (users > 1 and (len(reads) > REALIZE_READS or (heavy and device == "cpu")))):
+            continue
+        expr[n] = (frozenset(reads), ops, heavy)
+    return {n: e[0] for n, e in expr.items()}
+
+
 def folds_into_addmm(n: fx.Node) -> fx.Node | None:
     """The ``add`` that inductor's post-grad pass folds matrix product `n` into (``add(mm(a, b),
     c)`` becomes ``addmm(c, a, b)``, run where the ``add`` is: the product's result is never a
@@ -500,6 +577,7 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
     fixed, tangent_bytes, seen = 0, 0, set()
     tangent_dep: set = set()
     folded: dict = {}   # a sum -> the matrix product it absorbs (`folds_into_addmm`)
+    sums: set = set()   # (the sums that absorbed one)
     last_back = None   # the latest backward group (a forward op after it "follows" it)
 
     def new_group(n: fx.Node, back: bool) -> int:
@@ -573,6 +651,7 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             m = None
         g = new_group(n, back)
         if m is not None:   # (the matrix product the sum absorbs: `folds_into_addmm`)
+            sums.add(n)
             groups[g]["members"].append(m)
             groups[g]["flops"] += _flops(m)
             group[m] = g
@@ -657,6 +736,23 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             if src is None or src["members"][0] is not a or src["multi"] or src["lead"] is not None:
                 continue
             owner[i] = owner.get(new_id[group[a]], new_id[group[a]])
+    # inductor's backward ops that it never stores (`inductor_inlines`; the forward's are stored
+    # here, as a saved value is): node -> the nodes whose stored values its readers read instead
+    inlined: dict[int, set[int]] = {}
+    inline_forward: set[int] = set()
+    if times.codegen:
+        forward_ops = {n for n in fx_nodes if n.op == "call_function" and n not in tangent_dep}
+        for n, srcs in inductor_inlines(gm, forward_ops | sums).items():
+            g = group.get(n, STATIC)
+            if g < 0 or groups[g]["members"][0] is not n or groups[g]["multi"] or groups[g]["lead"] is not None:
+                continue
+            if n in tangent_dep:
+                inlined[new_id[g]] = {new_id[group[r]] for r in srcs if group.get(r, STATIC) != STATIC}
+        # (a forward op inductor would not store where it is not saved: `compiled_schedule`)
+        for n in inductor_inlines(gm, sums):
+            g = group.get(n, STATIC)
+            if n not in tangent_dep and g >= 0 and groups[g]["members"][0] is n and not groups[g]["multi"]:
+                inline_forward.add(new_id[g])
     nodes, members = [], []
     for i, g in enumerate(order):
         if g == LOSS:
@@ -671,6 +767,13 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             continue
         head = d["members"][0]
         extra: dict = {"ops": [n.name for n in d["members"]], "op": str(getattr(head.target, "__name__", head.target))}
+        out = _tensors(head.meta.get("val"))
+        if times.codegen and len(out) == 1:   # (what an in-place kernel of inductor's matches: `writes_into`)
+            extra["layout"] = [list(out[0].shape), list(out[0].stride()), str(out[0].dtype)]
+            if (head.op == "call_function" and i not in inlined and not is_alias(head) and inductor_generates(head)
+                    and torch.Tag.pointwise in getattr(head.target, "tags", ())
+                    and torch.Tag.nondeterministic_seeded not in getattr(head.target, "tags", ())):
+                extra["in_place"] = True
         lead = d["lead"]
         if lead is not None:
             b = int(d["bytes"])
@@ -687,6 +790,11 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         if i in owner:   # (written into its owner's buffer: nothing of its own)
             extra["inplace_of"] = owner[i]
             b, made = 0, 0
+        if i in inlined:   # (computed inside its readers' kernels: no buffer)
+            extra["inlined"] = True
+            b, made = 0, 0
+        if i in inline_forward:
+            extra["inlined"] = True
         # a returned part (a gradient of a convolution's or batch norm's backward): made while the
         # op runs (its bytes are in the op's workspace already) and kept to the step's end
         # (a dead part, the first, merged into its leader: its place in `returned` went to the leader)
@@ -706,6 +814,11 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         members.append(d["members"])
     for v, o in owner.items():   # (the owner's buffer lives to the last reader of what is written into it)
         edges.update((o, w) for a, w in list(edges) if a == v)
+    readers: dict = {}
+    for a, w in edges:
+        readers.setdefault(a, set()).add(w)
+    for v, srcs in inlined.items():   # (what an unstored op reads lives to its readers)
+        edges.update((r, w) for w in readers.get(v, ()) for r in srcs if r != w)
     graph = Graph(nodes, sorted(edges), fixed, {"granularity": "compiled", "name": name, "backward_edges": "saved",
                                                 "capture": "torch.compile (AOTAutograd joint graph)"})
     return JointGraph(graph, members)
@@ -721,6 +834,42 @@ class Program:
     forward_peak_bytes: int
     backward_peak_bytes: int
     recomputed_ops: int   # ops of the backward graph that the forward graph runs too
+
+
+def writes_into(nodes: list, keys: dict, reads: Any, last: dict, pinned: set, skip: set) -> tuple[dict, dict]:
+    """Inductor's in-place kernels over a graph's ops `nodes` (in order; `keys`: node -> its
+    storage keys, `reads(a)`: the stored storages a reader of `a` reads, `last`: storage -> the
+    index of its last reader): a stored pointwise result that inductor generates a kernel for
+    (`inductor_generates`; not in `skip`, the unstored and folded ops) is written into a storage
+    its kernel reads whose last reader it is, of its shape, strides and dtype, not in `pinned`
+    (the graph's inputs that stay, its outputs; nor is a result in `pinned` written into another's)
+    -- the first such in its arguments' order, as its
+    scheduler's ``decide_inplace_update`` does (a batch norm's backward into the saved ReLU
+    output it reads last).  Returns (storage -> the storage it is written into; storage written
+    into -> the index of its new last reader)."""
+    layout: dict = {}
+    for n in nodes:
+        if n.op == "placeholder" or (n.op == "call_function" and not is_alias(n)):
+            for t in _tensors(n.meta.get("val")):
+                layout.setdefault(storage_key(t), (tuple(t.shape), tuple(t.stride()), t.dtype, _nbytes(t)))
+    into: dict = {}
+    until: dict = {}
+    for i, n in enumerate(nodes):
+        if (n.op != "call_function" or n in skip or is_alias(n) or len(keys[n]) != 1 or not inductor_generates(n)
+                or torch.Tag.pointwise not in getattr(n.target, "tags", ())
+                or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())):
+            continue
+        k = keys[n][0]
+        if k in pinned:   # (a returned or saved result: left in a buffer of its own)
+            continue
+        for a in n.all_input_nodes:
+            s = next((s for s in reads(a) if s in layout and layout[s] == layout.get(k) and s not in pinned
+                      and until.get(into.get(s, s), last.get(s)) == i), None)
+            if s is not None:
+                into[k] = into.get(s, s)
+                until[into[k]] = last.get(k, i)
+                break
+    return into, until
 
 
 def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes, buffers: bool = False,
@@ -749,6 +898,8 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes, buffers:
             u = folds_into_addmm(n)
             if u is not None and (n in backward) == (u in backward):
                 fold[n] = u
+    # (inductor's code stores no result of these: what they read lives to their readers)
+    inl = inductor_inlines(gm, set(fold.values())) if times.codegen else {}
     same: dict = {}   # storage key -> the storage it is written into
     if buffers and made_here is not None:
         here = {n for n in nodes if n.name in made_here}
@@ -758,24 +909,28 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes, buffers:
                 same[keys[n][0]] = same.get(keys[a][0], keys[a][0])
         for n in nodes:
             keys[n] = [same.get(k, k) for k in keys[n]]
+    def reads(a: fx.Node) -> list:
+        return [k for r in inl[a] for k in keys.get(r, ())] if a in inl else keys.get(a, ())
     last: dict = {}
     for i, n in enumerate(nodes):
         at = index[fold[n]] if n in fold else i
-        for k in keys[n]:
+        for k in keys[n] if n not in inl else ():
             last[k] = max(last.get(k, at), at)
         for a in n.all_input_nodes:
-            for k in keys.get(a, ()):
+            for k in reads(a):
                 last[k] = max(last.get(k, at), at)
     out = next(n for n in nodes if n.op == "output")
     kept = {k for a in out.all_input_nodes for k in keys.get(a, ())}
+    # (inductor's in-place kernels, `writes_into`: storage key -> the storage it is written into)
+    into, until = writes_into(nodes, keys, reads, last, set(kept) | set(fixed), set(inl) | set(fold)) if times.codegen else ({}, {})
     live, peak, total = dict(live), sum(live.values()), 0.0
     free_at: dict = {}
     for k, i in last.items():
-        if k not in kept and k not in fixed:
-            free_at.setdefault(i, []).append(k)
+        if k not in kept and k not in fixed and k not in into:
+            free_at.setdefault(until.get(k, i), []).append(k)
     for i, n in enumerate(nodes):
-        if n in fold:   # (made where its sum runs, into the sum's storage)
-            total += times(n)
+        if n in fold or n in inl:   # (made where its sum runs, into the sum's storage; or
+            total += times(n)       # computed inside its readers' kernels)
         elif n.op == "call_function" and not is_alias(n):
             tensors = _tensors(n.meta.get("val"))
             if n.meta.get("val") is None:   # (an op without a value of its own, the partitioner's
@@ -784,6 +939,7 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes, buffers:
             new = {}
             for t in tensors:
                 k = same.get(storage_key(t), storage_key(t))
+                k = into.get(k, k)
                 if k not in live and k not in fixed:
                     new[k] = _nbytes(t)
             live.update(new)

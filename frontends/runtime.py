@@ -144,6 +144,9 @@ class RunBase:
         """Perform one op of the plan; `run_compute` and `free` are each executor's own."""
         handler = self._handlers.get(op.op)
         if handler is None:
+            if op.op in ("inline", "into"):   # (`remat.core.compiled`: inductor's kernels run those)
+                raise NotImplementedError(f"remat.apply: op {op.op!r} is a compiled program's (remat.compiler runs "
+                                          "it through inductor); plan with executor='any' or 'native' to apply it")
             raise RuntimeError(f"remat.apply: unknown op {op.op!r}")
         handler(op.node)
 

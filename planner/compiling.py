@@ -331,7 +331,9 @@ class RematCompiler:
                 best = (p, recompute, (fw, bw), prog)
             if prog.peak_bytes <= budget:
                 break
-            target -= prog.peak_bytes - budget
+            # (the next plan's budget: lower by the excess, and by at least the replay's excess
+            # over this plan's own prediction, which the plan's model did not see)
+            target = min(target - (prog.peak_bytes - budget), budget - (prog.peak_bytes - p.predicted["peak_bytes"]))
         p, recompute, graphs, prog = best
         if prog.peak_bytes > budget:
             raise InfeasibleBudgetError(

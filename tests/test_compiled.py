@@ -62,6 +62,82 @@ def test_a_node_of_R_among_the_backward_ops_is_walked_to_where_it_sits():
     assert order[at - 1] == bwd[0] and order[at + 1] == bwd[1] != first_reader(u)
 
 
+def test_a_node_the_backend_does_not_store_runs_inside_each_reader_and_what_it_reads_lives_to_them():
+    """A recomputed node marked ``inlined`` (inductor computes it inside the kernels that read
+    it, `remat.frontends.compiled.inductor_inlines`) is an ``inline`` op right before each
+    backward reader: no bytes of its own, freed after that reader, and its input stays resident
+    to the last reader's kernel."""
+    from remat.core.graph import Graph, Node
+
+    def graph(inlined):
+        nodes = [Node(0, "a", "forward", 1.0, 4), Node(1, "u", "forward", 1.0, 10, extra={"inlined": inlined}),
+                 Node(2, "f", "forward", 1.0, 1), Node(3, "loss", "loss", 0.0, 1),
+                 Node(4, "b1", "backward", 1.0, 5), Node(5, "b2", "backward", 1.0, 5)]
+        return Graph(nodes, [(0, 1), (1, 2), (2, 3), (3, 4), (1, 4), (4, 5), (1, 5)])
+    g = graph(True)
+    sched, res = compiled.program(g, {1})
+    ops = [(o.op, g.nodes[o.node].name) for o in sched.ops]
+    loss = ops.index(("compute", "loss"))
+    back = ops[loss:]
+    assert [k for k, o in enumerate(back) if o == ("inline", "u")] == [back.index(("compute", "b1")) - 1,
+                                                                     back.index(("compute", "b2")) - 1]
+    assert back.index(("free", "a")) == back.index(("compute", "b2")) + 1
+    assert compiled.recomputed_of(g, sched) == {1}
+    # the backward holds a (4 bytes) to b2 instead of u (10): the step's peak is 15 bytes, 20 stored
+    assert res.peak_bytes == 15 and compiled.program(graph(False), {1})[1].peak_bytes == 20
+    # (each inline compute runs u once more: the backend recomputes it in each kernel)
+    assert res.time == 7.0
+
+
+def test_a_node_the_backend_writes_in_place_takes_the_buffer_its_kernel_reads_last():
+    """A node marked ``in_place`` (inductor writes its pointwise kernel's result into the buffer
+    of an input it reads last, of its layout: `remat.frontends.compiled.writes_into`) follows an
+    ``into`` op on that input: the step never holds both; not where the input lives on, nor into
+    an input of another layout; an ``into`` on a node that is not resident is a violation."""
+    from remat.core.graph import Graph, Node
+    from remat.core.schedule import Op
+
+    def graph(layout_a, in_place=True):
+        lay = [[4], [1], "torch.float32"]
+        nodes = [Node(0, "a", "forward", 1.0, 8, extra={"layout": layout_a}), Node(1, "f", "forward", 1.0, 1),
+                 Node(2, "loss", "loss", 0.0, 1), Node(3, "b1", "backward", 1.0, 8, extra={"layout": lay}),
+                 Node(4, "b2", "backward", 1.0, 8, extra={"layout": lay, "in_place": in_place}),
+                 Node(5, "b3", "backward", 1.0, 1)]
+        return Graph(nodes, [(0, 1), (1, 2), (2, 3), (0, 4), (3, 4), (4, 5)])
+    lay = [[4], [1], "torch.float32"]
+    sched, res = compiled.program(graph(lay), set())
+    ops = [(o.op, o.node) for o in sched.ops]
+    at = ops.index(("compute", 4))
+    assert ops[at - 1][0] == "into" and ops[at - 1][1] in (0, 3)
+    # a (8, saved), b1 (8) and b2 written into one of them: 16 bytes at b2, not 24; the peak is
+    # b1's (a, the loss's byte, b1)
+    assert res.peak_bytes == 17 and compiled.program(graph(lay, in_place=False), set())[1].peak_bytes == 24
+    other = graph([[2, 2], [2, 1], "torch.float32"])
+    ops = [(o.op, o.node) for o in compiled.program(other, set())[0].ops]
+    assert ops[ops.index(("compute", 4)) - 1] == ("into", 3)   # (b1 only: a's layout differs)
+    assert not simulate(other, [Op("compute", 0), Op("into", 1)]).valid
+
+
+def test_inductor_leaves_a_pointwise_value_unstored_where_its_heuristics_do():
+    """`inductor_inlines` follows inductor's store-or-inline rules: a sum of two inputs read by
+    two pointwise kernels is computed in each (its readers read the inputs); a chain summing
+    five inputs is stored where two kernels read it (more than four stored inputs); an
+    exponential read twice is stored on a CPU; a value a matrix product reads is stored."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from remat.frontends.compiled import inductor_inlines
+    x = [torch.randn(8, 8) for _ in range(5)]
+
+    def inlined(f, *args):
+        return {n.name: sorted(r.name for r in reads) for n, reads in inductor_inlines(make_fx(f)(*args)).items()}
+    assert inlined(lambda a, b: ((a + b) * 2, (a + b) * 3), *x[:2]) == {"add": ["a_1", "b_1"], "add_1": ["a_1", "b_1"]}
+    five = inlined(lambda a, b, c, d, e: [s * k for s in [a + b + c + d + e] for k in (2, 3)], *x)
+    assert "add_3" not in five and five["add_2"] == ["a_1", "b_1", "c_1", "d_1"]
+    assert inlined(lambda a: [s * k for s in [a.exp()] for k in (2, 3)], x[0]) == {}
+    assert inlined(lambda a, b: (a + b) @ (a + b), *x[:2]) == {}
+
+
 def _brute_force(g, budget):
     """(the fastest time, its tag set) over every tag set of the class within `budget`; None
     where none fits."""
