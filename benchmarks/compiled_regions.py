@@ -24,7 +24,7 @@ later regions' parameters and gradients), the measured peak, and whether loss an
 gradients equal eager autograd's.
 
     python benchmarks/compiled_regions.py [--cases broken-mlp,hf-gpt2,resnet18-bn] [--budgets 0.9,0.8,0.7]
-        [--backend inductor] [--resnet 32,128]
+        [--backend inductor] [--resnet 32,128] [--buffers]
 """
 from __future__ import annotations
 
@@ -109,13 +109,13 @@ def step(model, batch):
 
 
 def run(name: str, fraction: float | None, budget: int, reserve: int = 0,
-        backend: str = "aot_eager") -> tuple[dict, str | None]:
+        backend: str = "aot_eager", buffers: bool = False) -> tuple[dict, str | None]:
     model, batch, held = case(name)
     eager = copy.deepcopy(model)
     loss0 = step(eager, batch)
     torch._dynamo.reset()
     m = copy.deepcopy(model)
-    rc = remat.compiler(budget, backend=backend, time_limit=10, reserve=reserve)
+    rc = remat.compiler(budget, backend=backend, time_limit=10, reserve=reserve, buffers=buffers)
     c = torch.compile(m, backend=rc)
     try:
         loss = step(c, batch)
@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="0.9,0.8,0.7", help="fractions of the step's keep-all compiled peak")
     ap.add_argument("--backend", default="aot_eager", choices=("aot_eager", "aot_eager_decomp_partition", "inductor"))
     ap.add_argument("--resnet", default="8,64", help="batch,pixels of the resnet18-bn case")
+    ap.add_argument("--buffers", action="store_true", help="remat.compiler(buffers=True): inductor's buffer rewrites")
     ap.add_argument("-o", "--output", default=str(Path(__file__).resolve().parent / "results" / "compiled-regions.csv"))
     args = ap.parse_args(argv)
     global RESNET
@@ -150,17 +151,17 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     rows = []
     for name in args.cases.split(","):
-        top, _ = run(name, None, 10 ** 12, backend=args.backend)
+        top, _ = run(name, None, 10 ** 12, backend=args.backend, buffers=args.buffers)
         keep_all = top["predicted_peak_bytes"]
         top.update(fraction=1.0, budget_bytes=keep_all, within_budget=top["peak_bytes"] <= keep_all)
         rows.append(top)
         print(name, top, flush=True)
         for f in (float(b) for b in args.budgets.split(",")):
-            row, reserve = run(name, f, int(f * keep_all), backend=args.backend)
+            row, reserve = run(name, f, int(f * keep_all), backend=args.backend, buffers=args.buffers)
             if reserve is not None:   # (what the error names, tried once)
                 rows.append(row)
                 print(name, row, flush=True)
-                row, _ = run(name, f, int(f * keep_all), int(reserve), backend=args.backend)
+                row, _ = run(name, f, int(f * keep_all), int(reserve), backend=args.backend, buffers=args.buffers)
             rows.append(row)
             print(name, row, flush=True)
     write_csv(args.output, COLUMNS, rows)
