@@ -770,7 +770,8 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         out = _tensors(head.meta.get("val"))
         if times.codegen and len(out) == 1:   # (what an in-place kernel of inductor's matches: `writes_into`)
             extra["layout"] = [list(out[0].shape), list(out[0].stride()), str(out[0].dtype)]
-            if (head.op == "call_function" and i not in inlined and not is_alias(head) and inductor_generates(head)
+            if (head.op == "call_function" and i not in inlined and head not in sums and not is_alias(head)
+                    and inductor_generates(head)
                     and torch.Tag.pointwise in getattr(head.target, "tags", ())
                     and torch.Tag.nondeterministic_seeded not in getattr(head.target, "tags", ())):
                 extra["in_place"] = True
@@ -922,7 +923,8 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes, buffers:
     out = next(n for n in nodes if n.op == "output")
     kept = {k for a in out.all_input_nodes for k in keys.get(a, ())}
     # (inductor's in-place kernels, `writes_into`: storage key -> the storage it is written into)
-    into, until = writes_into(nodes, keys, reads, last, set(kept) | set(fixed), set(inl) | set(fold)) if times.codegen else ({}, {})
+    into, until = (writes_into(nodes, keys, reads, last, set(kept) | set(fixed), set(inl) | set(fold) | set(fold.values()))
+                   if times.codegen else ({}, {}))
     live, peak, total = dict(live), sum(live.values()), 0.0
     free_at: dict = {}
     for k, i in last.items():
