@@ -29,7 +29,7 @@ graph that no tag changes, live to their last use, in the plan as in the replay)
 scratch for the ops it generates kernels for (`inductor_generates`), convolutions timed and
 their scratch measured on channels-last tensors (`OpTimes`); with ``fused``, the ops it
 generates kernels for are priced by the bytes a fused kernel moves for them; with ``buffers``
-(`remat.compiler` option, on by default with inductor), two of its buffer rewrites: the backward's scatters
+(`remat.compiler` option, off by default), two of its buffer rewrites: the backward's scatters
 into zeros written in place (`inplace_source`), a matrix product folded into the sum that reads
 it (`folds_into_addmm`).  Always with inductor: what its fused kernels store and where they
 write.  A pointwise value it does not store (`inductor_inlines`: its lowering's store-or-inline
