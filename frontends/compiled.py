@@ -740,19 +740,16 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
     # here, as a saved value is): node -> the nodes whose stored values its readers read instead
     inlined: dict[int, set[int]] = {}
     inline_forward: set[int] = set()
+    def heads(n: fx.Node) -> bool:   # (`n` is its node's one op, not part of a multi-output op)
+        g = group.get(n, STATIC)
+        return g >= 0 and groups[g]["members"][0] is n and not groups[g]["multi"] and groups[g]["lead"] is None
     if times.codegen:
         forward_ops = {n for n in fx_nodes if n.op == "call_function" and n not in tangent_dep}
         for n, srcs in inductor_inlines(gm, forward_ops | sums).items():
-            g = group.get(n, STATIC)
-            if g < 0 or groups[g]["members"][0] is not n or groups[g]["multi"] or groups[g]["lead"] is not None:
-                continue
-            if n in tangent_dep:
-                inlined[new_id[g]] = {new_id[group[r]] for r in srcs if group.get(r, STATIC) != STATIC}
+            if n in tangent_dep and heads(n):
+                inlined[new_id[group[n]]] = {new_id[group[r]] for r in srcs if group.get(r, STATIC) != STATIC}
         # (a forward op inductor would not store where it is not saved: `compiled_schedule`)
-        for n in inductor_inlines(gm, sums):
-            g = group.get(n, STATIC)
-            if n not in tangent_dep and g >= 0 and groups[g]["members"][0] is n and not groups[g]["multi"]:
-                inline_forward.add(new_id[g])
+        inline_forward = {new_id[group[n]] for n in inductor_inlines(gm, sums) if n not in tangent_dep and heads(n)}
     nodes, members = [], []
     for i, g in enumerate(order):
         if g == LOSS:
@@ -770,10 +767,7 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         out = _tensors(head.meta.get("val"))
         if times.codegen and len(out) == 1:   # (what an in-place kernel of inductor's matches: `writes_into`)
             extra["layout"] = [list(out[0].shape), list(out[0].stride()), str(out[0].dtype)]
-            if (head.op == "call_function" and i not in inlined and head not in sums and not is_alias(head)
-                    and inductor_generates(head)
-                    and torch.Tag.pointwise in getattr(head.target, "tags", ())
-                    and torch.Tag.nondeterministic_seeded not in getattr(head.target, "tags", ())):
+            if i not in inlined and head not in sums and may_write_in_place(head):
                 extra["in_place"] = True
         lead = d["lead"]
         if lead is not None:
@@ -837,6 +831,14 @@ class Program:
     recomputed_ops: int   # ops of the backward graph that the forward graph runs too
 
 
+def may_write_in_place(n: fx.Node) -> bool:
+    """`n` is a kernel inductor's scheduler may write into an input's buffer
+    (``decide_inplace_update``): a pointwise op it generates code for, not an alias, not random."""
+    tags = getattr(n.target, "tags", ())
+    return (n.op == "call_function" and not is_alias(n) and inductor_generates(n) and torch.Tag.pointwise in tags
+            and torch.Tag.nondeterministic_seeded not in tags)
+
+
 def writes_into(nodes: list, keys: dict, reads: Any, last: dict, pinned: set, skip: set) -> tuple[dict, dict]:
     """Inductor's in-place kernels over a graph's ops `nodes` (in order; `keys`: node -> its
     storage keys, `reads(a)`: the stored storages a reader of `a` reads, `last`: storage -> the
@@ -856,9 +858,7 @@ def writes_into(nodes: list, keys: dict, reads: Any, last: dict, pinned: set, sk
     into: dict = {}
     until: dict = {}
     for i, n in enumerate(nodes):
-        if (n.op != "call_function" or n in skip or is_alias(n) or len(keys[n]) != 1 or not inductor_generates(n)
-                or torch.Tag.pointwise not in getattr(n.target, "tags", ())
-                or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())):
+        if n in skip or len(keys[n]) != 1 or not may_write_in_place(n):
             continue
         k = keys[n][0]
         if k in pinned:   # (a returned or saved result: left in a buffer of its own)
