@@ -17,6 +17,12 @@ device mesh, with PyTorch's DTensor as the engine:
 * a parameter gathered for an op is not kept for its backward: saved-tensor hooks keep the
   parameter's shard and gather it again when the backward reads it (FSDP's mechanism), as the
   cost model counts;
+* an op the plan recomputes (``search["recompute"]["ops"]``: the compiled class's program of the
+  per-device graph, `remat.core.compiled`; only ops that `tofu.runs_locally`) is not kept for the
+  backward: saved-tensor hooks keep a note of which op made what the backward reads, and the
+  backward's first read of it runs the op again on the parts its inputs were (kept from the
+  forward, or recomputed in turn), as ``torch.utils.checkpoint`` rebuilds what it dropped; the
+  rebuilt value goes after its last read, the inputs kept for it after its rebuild;
 * the backward is autograd through those functions: DTensor's own backward of each
   redistribution and of `from_local`/`to_local` makes the gradients' communication; each
   parameter's gradient is redistributed to its parameter's placement as soon as it is complete
@@ -260,6 +266,91 @@ def attention_with_noise(q, k, v, mask, is_causal: bool, scale, noise: torch.Ten
     return (torch.softmax(attn, -1) * noise) @ v
 
 
+class _Note:
+    """What a saved-tensor hook keeps in place of a part an op the plan recomputes made: the op,
+    which output, and the saved tensor's view of it."""
+    __slots__ = ("op", "out", "size", "stride", "offset")
+
+    def __init__(self, op: int, out: int, t: torch.Tensor):
+        self.op, self.out = op, out
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+
+class Rebuilder:
+    """The recomputation of a `PartitionedStep` (module docstring).  In the forward, the storages
+    of the parts the ops of the plan's R made are known (`made`); a tensor autograd saves that
+    lies in one is kept as a `_Note`, and so are an R op's inputs that lie in one (the others it
+    holds).  In the backward, a note read (`unpack`) runs its op again (`PartitionedStep.run_again`)
+    on its inputs, notes among them rebuilt first; the value stays while notes of it are unread
+    (each is read once), and the op's inputs go once it has run."""
+
+    def __init__(self, step: "PartitionedStep"):
+        self.step = step
+        self.reset()
+
+    def reset(self) -> None:
+        self.owner: dict = {}      # storage address -> (op, output index), while the storage lives
+        self.inputs: dict = {}     # op of R -> {tensor id: its part, or a note}, until it runs again
+        self.values: dict = {}     # op of R -> its outputs computed again, while notes of it are unread
+        self.unread: dict = {}     # op of R -> notes of it not yet read
+        self.fresh: "list | None" = None   # while an op of R runs, what the hooks saved: [holder]
+
+    def note(self, t: torch.Tensor) -> "_Note | None":
+        made = self.owner.get(t.untyped_storage().data_ptr())
+        if made is None:
+            return None
+        self.unread[made[0]] = self.unread.get(made[0], 0) + 1
+        return _Note(made[0], made[1], t)
+
+    def begin(self) -> None:
+        """An op of R is about to run: what it saves is held in holders until `made` sees its outputs."""
+        self.fresh = []
+
+    def pack(self, t: torch.Tensor) -> Any:
+        n = self.note(t)
+        if n is not None or self.fresh is None:
+            return n if n is not None else t
+        holder = [t]
+        self.fresh.append(holder)
+        return holder
+
+    def made(self, op: Any, outs: list, local: dict) -> None:
+        """Op `op` of R ran in the forward: its outputs' storages are noted, what it saved of them
+        becomes notes, its inputs are kept (as notes where another op of R made them)."""
+        for j, value in enumerate(outs):
+            key = value.untyped_storage().data_ptr()
+            self.owner[key] = (op.id, j)
+            weakref.finalize(value.untyped_storage(), self.owner.pop, key, None)   # (addresses are reused)
+        for holder in self.fresh:
+            holder[0] = self.note(holder[0]) or holder[0]
+        self.fresh = None
+        self.inputs[op.id] = {t: self.note(x) or x.detach() for t, x in local.items()}
+
+    def forward_done(self) -> None:
+        """The forward has run: an op of R no note of which was saved is never run again, so the
+        inputs kept for it go (the latest first: the notes among them are then never read)."""
+        for v in sorted(self.inputs, reverse=True):
+            if self.unread.get(v, 0) <= 0:
+                for x in self.inputs.pop(v).values():
+                    if isinstance(x, _Note):
+                        self.unread[x.op] -= 1
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, list):
+            saved = saved[0]
+        return self.read(saved) if isinstance(saved, _Note) else saved
+
+    def read(self, n: _Note) -> torch.Tensor:
+        if n.op not in self.values:
+            local = {t: self.read(x) if isinstance(x, _Note) else x for t, x in self.inputs.pop(n.op).items()}
+            self.values[n.op] = self.step.run_again(n.op, local)
+        value = self.values[n.op][n.out]
+        self.unread[n.op] -= 1
+        if self.unread[n.op] <= 0:
+            self.values.pop(n.op)
+        return value.as_strided(n.size, n.stride, n.offset)
+
+
 class PartitionedStep:
     """One step of a captured model run as `plan` splits it, on this rank (module docstring)."""
 
@@ -276,6 +367,12 @@ class PartitionedStep:
         rules = tofu.describe(g)
         self.strategies = [[_strategy(r, letter) for letter in o["strategy"]] for r, o in zip(rules, plan.ops)]
         self.placement = {t: tuple(parse_placement(p) for p in plan.tensors[t]["placements"]) for t in g.tensors}
+        self.recompute = set(plan.search.get("recompute", {}).get("ops", ()))
+        for v in sorted(self.recompute):
+            if not (0 <= v < len(g.ops) and tofu.runs_locally(g.ops[v], tuple(self.strategies[v]), self.placement)):
+                raise InvalidInputError(f"the partition plan recomputes op {v}, which does not run on its devices' own "
+                                        "parts (recomputing it would communicate): partition the model again")
+        self._rebuild = Rebuilder(self)
 
     def distribute(self, values: dict) -> dict:
         """{tensor id: DTensor} for the parameters and the batch from `values` (tensor id -> the
@@ -343,6 +440,33 @@ class PartitionedStep:
         return attention_with_noise(q, k, values["value"], values.get("attn_mask"), bool(values["is_causal"]),
                                     values.get("scale"), _part(noise, along, self.mesh))
 
+    def arguments(self, op: Any, node: Any, strats: list, local: dict) -> tuple[tuple, dict]:
+        """The fx node's arguments with `local` (tensor id -> the part the op reads) in place of
+        its input nodes; a reshaping op's shape made its local one."""
+        by_node = {self.capture.tensor_nodes[t]: v for t, v in local.items()}
+        args = tree_map(lambda a: by_node.get(a, a) if isinstance(a, torch.fx.Node) else a, node.args)
+        kwargs = tree_map(lambda a: by_node.get(a, a) if isinstance(a, torch.fx.Node) else a, node.kwargs)
+        if op.op in RESHAPING and len(args) > 1:
+            shape = list(self.graph.tensors[op.outputs[0]].shape)
+            for s in strats:
+                made = tofu.placed(s, "out", 0)
+                if made.kind == "shard":
+                    shape[made.dim] //= 2
+            args = (args[0], shape) + tuple(args[2:])
+        return args, kwargs
+
+    def output(self, out: Any, t: int) -> torch.Tensor:
+        """Output tensor `t` of an op that returned `out`."""
+        return out[self.capture.tensor_nodes[t].args[1]] if isinstance(out, (list, tuple)) else out
+
+    def run_again(self, v: int, local: dict) -> list:
+        """Op v's outputs computed again from `local` (its inputs' parts), without autograd."""
+        op, node = self.graph.ops[v], self.capture.op_nodes[v]
+        args, kwargs = self.arguments(op, node, self.strategies[v], local)
+        with torch.no_grad():
+            out = out_of_place(node.target)(*args, **kwargs)
+        return [self.output(out, t) for t in op.outputs]
+
     def __call__(self, leaves: dict) -> DTensor:
         """Run the forward and the loss from `leaves` (`distribute`); returns the loss as a
         replicated DTensor (``.to_local().backward()`` runs the backward)."""
@@ -351,19 +475,22 @@ class PartitionedStep:
         last = tofu.last_reader(g)
         gathered: dict = {}            # storage of a gathered parameter -> (its DTensor, placements)
 
+        rebuild = self._rebuild
+        rebuild.reset()
+
         def pack(t: torch.Tensor):
             key = t.untyped_storage().data_ptr()
             if key in gathered:
                 src, want = gathered[key]
                 return ("gather", src, want, t.size(), t.stride(), t.storage_offset())
-            return t
+            return rebuild.pack(t)
 
         def unpack(saved):
             if isinstance(saved, tuple) and saved and saved[0] == "gather":
                 _, src, want, size, stride, offset = saved
                 full = src.detach().redistribute(self.mesh, want).to_local()
                 return full.as_strided(size, stride, offset)
-            return saved
+            return rebuild.unpack(saved)
 
         for op, node, strats in zip(g.ops, cap.op_nodes, self.strategies):
             local: dict = {}
@@ -374,26 +501,22 @@ class PartitionedStep:
                 want = tuple(_dt(p) for p in placed)
                 grads = tuple(_dt(tofu.grad_placement(s, p)) for s, p in zip(strats, placed))
                 self._input(t, want, grads, local, gathered)
-            by_node = {cap.tensor_nodes[t]: v for t, v in local.items()}
-            args = tree_map(lambda a: by_node.get(a, a) if isinstance(a, torch.fx.Node) else a, node.args)
-            kwargs = tree_map(lambda a: by_node.get(a, a) if isinstance(a, torch.fx.Node) else a, node.kwargs)
-            if op.op in RESHAPING and len(args) > 1:
-                shape = list(g.tensors[op.outputs[0]].shape)
-                for s in strats:
-                    made = tofu.placed(s, "out", 0)
-                    if made.kind == "shard":
-                        shape[made.dim] //= 2
-                args = (args[0], shape) + tuple(args[2:])
+            args, kwargs = self.arguments(op, node, strats, local)
             synced = [d for d, s in enumerate(strats) if s.sync]
+            recomputed = op.id in self.recompute
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                if recomputed:
+                    rebuild.begin()
                 if synced:
                     out = synced_batch_norm(node.target, args, kwargs, self.mesh, synced)
                 elif tofu.draws(op) and any(s is not tofu.REPLICATED for s in strats):
                     out = self._drawn(op, node.target, args, kwargs, strats)
                 else:
                     out = out_of_place(node.target)(*args, **kwargs)
+            if recomputed:
+                rebuild.made(op, [self.output(out, t) for t in op.outputs], local)
             for j, t in enumerate(op.outputs):
-                value = out[cap.tensor_nodes[t].args[1]] if isinstance(out, (list, tuple)) else out
+                value = self.output(out, t)
                 made = tuple(_dt(tofu.placed(s, "out", j)) for s in strats)
                 if _averages(op):      # partial means: halved per split, their sum is the mean
                     halves = sum(isinstance(m, Partial) for m in made)
@@ -406,6 +529,7 @@ class PartitionedStep:
             for t in set(op.inputs) | set(op.outputs):
                 if t != g.loss and last.get(t, op.id) <= op.id and t not in leaves:
                     self.env.pop(t, None)
+        rebuild.forward_done()
         loss = self.env[g.loss]
         self.env = {}
         whole = tuple(Replicate() for _ in loss.placements)

@@ -68,17 +68,15 @@ class PartitionPlan:
         return self.comm_bytes // max(self.devices, 1)
 
     def check_runnable(self) -> None:
-        """Raise `NotImplementedError` where the executor cannot run this plan as it predicts: a
-        plan whose devices recompute (the budget met only by the single-device planner's plan of
-        the device graph, ``search["recompute"]``) gives that plan's peak, and the distributed
-        executor recomputes nothing yet (it would run at the keep-everything peak)."""
+        """Raise `InvalidInputError` for a plan whose devices recompute but that does not say which
+        ops (``search["recompute"]["ops"]``: written by remat before the distributed executor
+        recomputed): its peak is a recomputation plan's, which the executor cannot follow."""
         rec = self.search.get("recompute")
-        if rec:
-            raise NotImplementedError(
-                f"running a partition plan whose devices recompute is not implemented: its per-device peak "
-                f"({format_bytes(self.peak_bytes)}) is a recomputation plan's ({rec.get('overhead', 0):.2f}x), and the "
-                "distributed executor keeps every value; partition with more devices or a larger budget, "
-                "so that the split fits without recomputation")
+        if rec and "ops" not in rec:
+            raise InvalidInputError(
+                f"the partition plan's per-device peak ({format_bytes(self.peak_bytes)}) is a recomputation plan's "
+                f"({rec.get('overhead', 0):.2f}x) that does not name the ops it recomputes (an older remat wrote it): "
+                "partition the model again")
 
     def blocks(self, depth: int = 3) -> list:
         """[(module prefix, {op: strategies})]: the chosen splits per block, in order."""
@@ -144,13 +142,40 @@ def _record(g: tofu.OpGraph, sp: tofu.Split, budget: int | None, optimizer_facto
     search = {**search, "exact": sp.exact, "states": max((c.states for c in sp.levels), default=0),
               "undescribed_ops": tofu.undescribed(g), "recursion_comm_bytes": sp.comm, "device_type": device_type}
     if planned is not None:
-        search["recompute"] = {"overhead": planned.predicted["overhead"], "solver": planned.solver.get("status")}
+        by_name = {v.name: v for v in dg.nodes}
+        search["recompute"] = {"overhead": planned.predicted["overhead"], "solver": planned.solver.get("status"),
+                               "ops": sorted({by_name[n].extra["op"] for n in planned.predicted["recomputed"]})}
     return PartitionPlan(g.meta.get("model", "model"), sp.devices, budget, tofu.mesh_comm(g, sp, device_type), int(peak), dg.fixed_bytes,
                          float(compute), tensors, ops, search)
 
 
 def _peak(g: tofu.OpGraph, sp: tofu.Split, optimizer_factor: float) -> int:
     return keep_all_peak(tofu.device_graph(g, sp, optimizer_factor))
+
+
+def _recomputing(g: tofu.OpGraph, splits: list, budget: int, optimizer_factor: float, time_limit: float) -> tuple:
+    """(split, plan, lambda) of the searched split with the least communication whose device
+    graph the single-device planner fits in `budget` by recomputation (the compiled class:
+    `remat.core.compiled`, ops that `tofu.runs_locally` only), or (None, None, None).  A split
+    whose every recomputable op recomputed still peaks over the budget (`compiled.fit`) is
+    passed over without solving."""
+    from remat.core import compiled
+
+    from .planning import plan as plan_one
+    seen: set = set()
+    for lam, sp in sorted(splits, key=lambda x: (x[1].comm, x[0])):
+        key = tuple(sorted((op, tuple(s.index for s in st)) for op, st in sp.strategy.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        dg = tofu.device_graph(g, sp, optimizer_factor)
+        if compiled.fit(dg, compiled.normal(dg, compiled.recomputable(dg)), budget)[0] is None:
+            continue
+        try:
+            return sp, plan_one(dg, budget, swap=False, time_limit=time_limit, executor="compiled"), lam
+        except InfeasibleBudgetError:
+            continue
+    return None, None, None
 
 
 def partition(graph: Any, devices: int, budget: "int | str | None" = None, *, example_inputs: Any = None,
@@ -180,6 +205,7 @@ def partition(graph: Any, devices: int, budget: "int | str | None" = None, *, ex
     best = tofu.split(graph, devices, 0.0, **options)
     peak = _peak(graph, best, optimizer_factor)
     probes = [(0.0, best.comm, peak)]
+    splits = [(0.0, best)]
     chosen, lam = (best, 0.0) if budget is None or peak <= budget else (None, None)
     least = (peak, best, 0.0)
     if chosen is None:
@@ -189,6 +215,7 @@ def partition(graph: Any, devices: int, budget: "int | str | None" = None, *, ex
             sp = tofu.split(graph, devices, probe, **options)
             pk = _peak(graph, sp, optimizer_factor)
             probes.append((probe, sp.comm, pk))
+            splits.append((probe, sp))
             least = min(least, (pk, sp, probe), key=lambda x: x[0])
             if pk <= budget:
                 chosen, lam, hi = sp, probe, probe
@@ -216,14 +243,8 @@ def partition(graph: Any, devices: int, budget: "int | str | None" = None, *, ex
     if chosen is None:
         pk, sp, lam = least
         if recompute:
-            from .planning import plan as plan_one
-            try:
-                planned = plan_one(tofu.device_graph(graph, sp, optimizer_factor), int(budget), swap=False,
-                                   time_limit=time_limit)
-                chosen = sp
-                search["lambda"] = lam
-            except InfeasibleBudgetError:
-                planned = None
+            chosen, planned, lam = _recomputing(graph, splits, int(budget), optimizer_factor, time_limit)
+            search["lambda"] = lam
         if chosen is None:
             raise InfeasibleBudgetError(
                 f"no partition over {devices} devices fits {format_bytes(budget)} per device: the smallest "
@@ -387,8 +408,8 @@ def report(p: PartitionPlan) -> list:
                          f"{'es' if st['inflight'] > 1 else ''} in flight, {format_bytes(st['held_bytes'])} each)")
     rec = p.search.get("recompute")
     if rec:
-        lines.append(f"  per device the planner recomputes: predicted step {rec['overhead']:.2f}x ({rec['solver']}); "
-                     "the distributed executor does not recompute yet, so remat run and remat.apply refuse this plan")
+        lines.append(f"  per device the planner recomputes {len(rec.get('ops', []))} ops in the backward (each from "
+                     f"its devices' own parts, no communication): predicted step {rec['overhead']:.2f}x ({rec['solver']})")
     if p.search.get("undescribed_ops"):
         lines.append(f"  ops run whole on every device (no description): {', '.join(p.search['undescribed_ops'])}")
     if not p.search.get("exact", True):

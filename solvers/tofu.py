@@ -49,7 +49,11 @@ arrives as the op's strategy makes it (partial sums, or a shard) and is reduced 
 parameter's placement as soon as it is complete (FSDP's reduce-scatter, data parallel's
 all-reduce): the arriving gradient is a transient of the backward node that accumulates it
 first.  The keep-everything schedule's peak is the partition's prediction;
-`remat.plan` on that graph composes the single-device planner (recompute, swap) with it.  Node
+`remat.plan` on that graph composes the single-device planner (recompute, swap) with it.  Each op's
+node names its op (``extra["op"]``); the nodes the distributed executor cannot recompute without
+communicating are marked ``extra["always_saved"]`` (the compiled class's pin,
+`remat.core.compiled.pinned`): what a backward keeps beside an op's output, and every op that does
+not `runs_locally`.  Node
 times are a FLOP model (``FLOPS`` per second for the products, ``BYTES_PER_S`` for the rest), enough
 for the planner's trade-offs, not a measurement.
 
@@ -87,6 +91,9 @@ READS_NO_INPUT = {"add", "sub", "neg", "cat", "split", "split_with_sizes", "chun
 SCALED = {"mul", "div"}     # by a number when they have one tensor input (`reads_inputs`)
 # ops whose autograd saves a tensor the graph does not list: max pooling's int64 indices, one per output element
 SAVES_INDICES = {"max_pool1d", "max_pool2d", "max_pool3d"}
+# a loss whose backward makes the gradient of its log-probabilities (its input's size) on the way
+# to its input's: a transient of its backward node
+LOG_PROBS_INSIDE = {"cross_entropy_loss"}
 HEAVY = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "convolution", "conv1d", "conv2d", "conv3d",
          "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu", "embedding"}
 CREATION = {"arange", "zeros", "ones", "full", "empty", "randn", "rand", "new_zeros", "new_ones", "new_empty",
@@ -105,10 +112,17 @@ def draws(op: OpInfo) -> bool:
     return False
 
 
+def noisy_attention(op: OpInfo) -> bool:
+    """Attention with dropout: computed as ATen's math path computes it, its backward reads the
+    copies it made (`drawn_bytes`), neither its inputs nor its output."""
+    return op.op == "scaled_dot_product_attention" and draws(op)
+
+
 def reads_inputs(op: OpInfo) -> bool:
     """Whether `op`'s backward reads its inputs: not for `READS_NO_INPUT`, nor for a product or
-    quotient by a number (one tensor input: its gradient is the incoming one scaled)."""
-    if op.op in READS_NO_INPUT:
+    quotient by a number (one tensor input: its gradient is the incoming one scaled), nor for
+    attention with dropout (`noisy_attention`)."""
+    if op.op in READS_NO_INPUT or noisy_attention(op):
         return False
     return not (op.op in SCALED and len(op.inputs) == 1)
 
@@ -119,11 +133,42 @@ def aliases(op: OpInfo) -> bool:
     return op.op in VIEWS or op.op == "dropout" and not draws(op)
 
 
+def runs_locally(op: OpInfo, strategy: tuple, placement: dict) -> bool:
+    """Whether `op`, run with `strategy` (one per mesh dimension) on tensors placed as `placement`
+    says, runs on each device's own parts alone: every input read as it lies, every output made
+    as it is placed, no partial sums, no random draw, no synchronised statistics, not a view.
+    Such an op can be recomputed in the backward from the parts its inputs were, with no
+    communication (what the distributed executor recomputes)."""
+    if aliases(op) or draws(op) or any(s.sync for s in strategy):
+        return False
+    for which, tensors in (("in", op.inputs), ("out", op.outputs)):
+        for i, t in enumerate(tensors):
+            want = tuple(placed(s, which, i) for s in strategy)
+            if PARTIAL in want or want != tuple(placement[t]):
+                return False
+    return True
+
+
+def kept_statistics(g: OpGraph, op: OpInfo, ins: list) -> int:
+    """Bytes per device of the statistics an op's autograd keeps beside the tensors the graph
+    lists (floats of at least 4 bytes): layer norm's mean and reciprocal deviation per
+    normalised row; attention's log-sum-exp per query (the fused kernels'; with dropout see
+    `drawn_bytes`).  `ins`: the op's inputs' shapes per device."""
+    item = max(4, g.tensors[op.inputs[0]].itemsize) if op.inputs else 4
+    if op.op == "layer_norm":
+        normalized = op.args[1] if len(op.args) > 1 and op.args[1] is not None else ()
+        return 2 * math.prod(ins[0][:len(ins[0]) - len(normalized)]) * item
+    if op.op == "scaled_dot_product_attention" and not draws(op):
+        return math.prod(ins[0][:-1]) * item
+    return 0
+
+
 def drawn_bytes(g: OpGraph, op: OpInfo, ins: list, sp: "Split") -> tuple[int, int]:
     """(bytes per device a random op (`draws`) keeps for its backward beyond its output, bytes of
     the whole tensor of random numbers it draws): dropout keeps its factors (its output's size);
     attention with dropout, computed as ATen's math path computes it, keeps the scaled queries and
-    keys, the probabilities, the factors and the dropped probabilities (each of the scores' size).
+    keys, the values (a copy: the product reshapes them, transposed as attention reads them), the
+    probabilities, the factors and the dropped probabilities (each of the scores' size).
     `ins`: the op's inputs' shapes per device."""
     item = g.tensors[op.outputs[0]].itemsize
     if op.op in ("dropout", "native_dropout"):
@@ -131,7 +176,7 @@ def drawn_bytes(g: OpGraph, op: OpInfo, ins: list, sp: "Split") -> tuple[int, in
     q, k = ins[0], ins[1]
     scores = math.prod(q[:-1]) * k[-2]
     whole = math.prod(g.tensors[op.inputs[0]].shape[:-1]) * g.tensors[op.inputs[1]].shape[-2]
-    return (3 * scores + math.prod(q) + math.prod(k)) * item, whole * item
+    return (3 * scores + math.prod(q) + 2 * math.prod(k)) * item, whole * item
 
 
 # ---- the ops' descriptions ------------------------------------------------------------------------
@@ -722,7 +767,10 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
     def add(kind, op, nbytes_, time, persistent=0, workspace=0, suffix=""):
         i = len(nodes)
         name = f"{op.module or op.op}:{op.op}#{op.id}" + (":bwd" if kind == "backward" else "") + suffix
-        nodes.append(Node(i, name, kind, time, int(nbytes_), int(workspace), {}, int(persistent)))
+        extra = {"op": op.id}
+        if kind == "forward" and (suffix or not runs_locally(op, sp.strategy[op.id], sp.placement)):
+            extra["always_saved"] = True   # (recomputing it would communicate: module docstring)
+        nodes.append(Node(i, name, kind, time, int(nbytes_), int(workspace), extra, int(persistent)))
         return i
 
     for op in forward + [loss]:
@@ -747,8 +795,8 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         back_transient[op.id] = sum(b + x for b, x, kind, again in gathered if kind == "parameter" and again)
         out_b = sum(nbytes[t] for t in op.outputs if root[t] == t)
         # what the backward keeps beside the op's output: converted copies of its inputs, max
-        # pooling's indices, what a random op keeps (`drawn_bytes`)
-        for_backward = copies
+        # pooling's indices, statistics (`kept_statistics`), what a random op keeps (`drawn_bytes`)
+        for_backward = copies + kept_statistics(g, op, ins)
         if op.op in SAVES_INDICES:
             for_backward += sum(math.prod(sp.shapes[t]) * 8 for t in op.outputs)
         if any(s.sync for s in sp.strategy[op.id]):
@@ -785,7 +833,7 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         # gradients arrive beside the parameters gathered again (the ones that arrive in place
         # are the parameters' gradients at once)
         work = back_transient[op.id] + arriving + in_place
-        if any(s.sync for s in sp.strategy[op.id]):
+        if any(s.sync for s in sp.strategy[op.id]) or op.op in LOG_PROBS_INSIDE:
             work += math.prod(sp.used_shape(g, op, 0)) * g.tensors[op.inputs[0]].itemsize
         i = add("backward", op, grads, 2 * nodes[nid[op.id]].time, in_place, work)
         bwd[op.id] = i
@@ -799,7 +847,7 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
             p = producer.get(root[t])
             if p is not None and g.tensors[root[t]].kind == "activation" and t not in converted.get(op.id, ()):
                 edges.add((nid[p], i))
-        if op.op in SAVES_OUTPUT:
+        if op.op in SAVES_OUTPUT and not noisy_attention(op):
             edges.add((nid[op.id], i))
         if op.id in kept:
             edges.add((kept[op.id], i))

@@ -76,8 +76,8 @@ def _case(name):
         model, inputs = zoo.get("resnet18")
         return model.double(), tuple(x.double() for x in inputs), _square, None
     from remat.frontends.zoo import GPT
-    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.1 if name == "gpt-dropout" else 0.0)
-    ids = torch.randint(0, 64, (4, 16), generator=gen)
+    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.1 if "dropout" in name else 0.0)
+    ids = torch.randint(0, 64, (128 if "wide" in name else 4, 16), generator=gen)   # (wide: activations outweigh)
     return model, (ids, torch.roll(ids, -1, 1)), None, None
 
 
@@ -92,12 +92,20 @@ def _worker(rank, world, port, name, which, out):
         from remat.partitioning import baseline, partition
         model, batch, loss_fn, count = _case(name)
         cap = capture_step(model, batch, loss_fn, count)
-        plan = (partition(cap.graph, world, baselines_too=False) if which == "search"
-                else baseline(cap.graph, world, which))
+        if which.startswith("search@"):   # a budget below every searched split's peak: the devices recompute
+            from remat.core.simulate import keep_all_peak
+            from remat.solvers import tofu
+            g = cap.graph
+            least = min(keep_all_peak(tofu.device_graph(g, tofu.split(g, world, lam))) for lam in (0.0, 1e-2, 1, 1e4))
+            plan = partition(g, world, int(float(which[7:]) * least), baselines_too=False)
+            assert plan.search["recompute"]["ops"]
+        else:
+            plan = (partition(cap.graph, world, baselines_too=False) if which == "search"
+                    else baseline(cap.graph, world, which))
         state = torch.get_rng_state()        # (the same on every rank: seeded alike)
         got = train_step(model, batch, plan, mesh_for(world), loss_fn, capture=cap, meter=True)
         row = {"rank": rank, "loss": got["loss"], "comm": got["comm_bytes"], "peak": got["peak_bytes"],
-               "plan_comm": plan.comm_bytes, "plan_peak": plan.peak_bytes}
+               "plan_comm": plan.comm_bytes, "plan_peak": plan.peak_bytes, "budget": plan.budget_bytes}
         if rank == 0:
             from remat.frontends.base import step_loss
             torch.set_rng_state(state)          # one process's step draws what the ranks drew
@@ -120,6 +128,8 @@ def _worker(rank, world, port, name, which, out):
     ("gpt", "search", 2), ("gpt", "megatron", 2),
     ("gpt-dropout", "search", 2), ("gpt-dropout", "data-parallel", 4),
     ("resnet18", "search", 2),
+    # the devices recompute (ops on their own parts, once, in the backward): dropout included
+    ("gpt-wide-dropout", "search@0.8", 2),
 ])
 def test_a_partitioned_step_trains_as_one_process_and_as_predicted(name, which, world):
     rows = spawn_rows(_worker, world, name, which)
@@ -135,6 +145,8 @@ def test_a_partitioned_step_trains_as_one_process_and_as_predicted(name, which, 
     low = 0.80 if world > 2 else 0.90 if name.startswith("gpt") else 0.95
     for r in rows:
         assert low * r["plan_peak"] <= r["peak"] <= 1.05 * r["plan_peak"], r
+        if which.startswith("search@"):   # (a plan that recomputes fills its budget: it must hold)
+            assert 0.95 * r["plan_peak"] <= r["peak"] <= r["budget"], r
 
 
 def test_a_plan_for_another_world_size_says_so():
@@ -153,33 +165,34 @@ def test_a_plan_for_another_world_size_says_so():
         PartitionedStep(cap, plan, OneDevice())
 
 
-def test_a_plan_whose_devices_recompute_is_refused_by_name(tmp_path, capsys):
-    """Under a budget only recomputation meets, the partition's per-device peak is the single-device
-    planner's plan's; the distributed executor recomputes nothing, so running it says that this
-    is not implemented (API: NotImplementedError; CLI: one line, exit 1) instead of running at
-    the keep-everything peak."""
+def test_a_plan_whose_devices_recompute_runs_through_the_cli(tmp_path, capsys):
+    """Under a budget only recomputation meets, the partition's per-device peak is the compiled
+    class's program of the device graph (ops that run on their own parts, recomputed once in the
+    backward); `remat run --plan` runs it: each step's loss one process's (the zoo's GPT-2 has
+    dropout), the bytes sent the plan's (recomputation communicates nothing), each rank's peak
+    within the budget and within 5 % of the plan's.  A plan file that says it recomputes but not
+    which ops (an older remat's) is refused in one line."""
+    import json
+
     from remat.cli import main
-    from remat.core.simulate import keep_all_peak
-    from remat.distributed import DistributedStep, launch
-    from remat.frontends.partitioning import capture_step
-    from remat.partitioning import PartitionPlan, partition
-    from remat.solvers import tofu
-    model, batch, loss_fn = MLP(), (torch.randn(256, 64),), _square   # (activations outweigh the weights)
-    g = capture_step(model, batch, loss_fn, 1).graph
-    tight = int(0.95 * min(keep_all_peak(tofu.device_graph(g, tofu.split(g, 2, lam))) for lam in (0.0, 1e-2, 1, 1e4)))
-    plan = partition(g, 2, tight, baselines_too=False)
-    assert plan.search["recompute"]["overhead"] >= 1.0 and plan.peak_bytes <= tight
-    with pytest.raises(NotImplementedError, match="partition plan whose devices recompute is not implemented"):
-        launch(plan, _case)
-    with pytest.raises(NotImplementedError, match="recompute"):
-        DistributedStep(model, plan, batch, loss_fn)
-    path = tmp_path / "partition.json"
-    plan.save(path)
-    assert PartitionPlan.load(path).search["recompute"]
-    capsys.readouterr()
-    assert main(["run", "--plan", str(path), "--nproc", "2"]) == 1
+    from remat.partitioning import PartitionPlan
+    whole, path = tmp_path / "whole.json", tmp_path / "partition.json"
+    assert main(["partition", "gpt2", "--devices", "2", "--batch", "32", "-o", str(whole)]) == 0
+    tight = int(0.8 * PartitionPlan.load(whole).peak_bytes)
+    assert main(["partition", "gpt2", "--devices", "2", "--batch", "32", "--budget", str(tight), "-o", str(path)]) == 0
+    out = capsys.readouterr().out
+    plan = PartitionPlan.load(path)
+    assert plan.search["recompute"]["ops"] and plan.peak_bytes <= tight, out
+    assert "recomputes" in out
+    steps, peaks, out = run_partition_plan(main, path, capsys)
+    assert len(peaks) == 4 and all(-5.0 <= p <= 5.0 for p in peaks), out
+    assert all(plan.peak_bytes * (1 + p / 100) <= tight * 1.001 for p in peaks), out   # (peaks printed to 0.1 %)
+    old = json.loads(path.read_text())
+    del old["search"]["recompute"]["ops"]
+    path.write_text(json.dumps(old))
+    assert main(["run", "--plan", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "not implemented" in err and "internal error" not in err and len(err.strip().splitlines()) == 1, err
+    assert "partition the model again" in err and len(err.strip().splitlines()) == 1, err
 
 
 FACTORY = '''

@@ -336,3 +336,36 @@ def test_the_cost_model_converts_in_dtensors_order(dims):
         assert pairs == 4 ** dims * 3 ** dims
     finally:
         dist.destroy_process_group()
+
+
+def test_the_devices_recompute_only_what_runs_on_their_own_parts():
+    """The device graph pins (``always_saved``) what the distributed executor cannot recompute
+    without communicating: what a backward keeps beside an op's output, and every op that does not
+    run on its devices' own parts; a recomputing partition names its ops, each one that runs
+    locally, and its peak is the compiled class's program of that device graph."""
+    from remat.core import compiled
+    torch.manual_seed(0)
+    deep = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(),
+                               torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+    g = op_graph(deep, (torch.randn(256, 64),), _square)
+    splits = [tofu.split(g, 2, lam) for lam in (0.0, 1e-2, 1, 1e4)]
+    for sp in splits:
+        dg = tofu.device_graph(g, sp)
+        free = compiled.recomputable(dg)
+        for v in dg.nodes:
+            if v.kind != "forward":
+                continue
+            op = g.ops[v.extra["op"]]
+            local = tofu.runs_locally(op, sp.strategy[op.id], sp.placement) and not v.name.endswith(":saved")
+            assert (v.id in free) == local, v.name
+    tight = int(0.93 * min(keep_all_peak(tofu.device_graph(g, sp)) for sp in splits))
+    p = partition(g, 2, tight, baselines_too=False)
+    ops = p.search["recompute"]["ops"]
+    assert ops and p.peak_bytes <= tight
+    chosen = next(sp for sp in splits if tofu.mesh_comm(g, sp, "cpu") == p.comm_bytes)
+    assert all(tofu.runs_locally(g.ops[v], chosen.strategy[v], chosen.placement) for v in ops)
+    assert {g.ops[v].op for v in ops} <= {"linear", "gelu", "tanh"}
+    # an op that communicates is never local: a linear whose input is converted
+    gathered = [(op, sp) for sp in splits for op in g.ops if op.op == "linear" and any(
+        tofu.placed(s, "in", 0) != q for s, q in zip(sp.strategy[op.id], sp.placement[op.inputs[0]]))]
+    assert gathered and not any(tofu.runs_locally(op, sp.strategy[op.id], sp.placement) for op, sp in gathered)
