@@ -154,28 +154,32 @@ def _peak(g: tofu.OpGraph, sp: tofu.Split, optimizer_factor: float) -> int:
 
 
 def _recomputing(g: tofu.OpGraph, splits: list, budget: int, optimizer_factor: float, time_limit: float) -> tuple:
-    """(split, plan, lambda) of the searched split with the least communication whose device
-    graph the single-device planner fits in `budget` by recomputation (the compiled class:
-    `remat.core.compiled`, ops that `tofu.runs_locally` only), or (None, None, None).  A split
-    whose every recomputable op recomputed still peaks over the budget (`compiled.fit`) is
-    passed over without solving."""
+    """(split, plan, lambda, lowest) for the searched split with the least communication whose
+    device graph the single-device planner fits in `budget` by recomputation (the compiled class:
+    `remat.core.compiled`, ops that `tofu.runs_locally` only), or (None, None, None, lowest):
+    `lowest` is the least peak recomputation reached on any of them.  A split whose every
+    recomputable op recomputed still peaks over the budget (`compiled.fit`) is passed over
+    without solving."""
     from remat.core import compiled
 
     from .planning import plan as plan_one
     seen: set = set()
+    lowest = None
     for lam, sp in sorted(splits, key=lambda x: (x[1].comm, x[0])):
         key = tuple(sorted((op, tuple(s.index for s in st)) for op, st in sp.strategy.items()))
         if key in seen:
             continue
         seen.add(key)
         dg = tofu.device_graph(g, sp, optimizer_factor)
-        if compiled.fit(dg, compiled.normal(dg, compiled.recomputable(dg)), budget)[0] is None:
+        R, low = compiled.fit(dg, compiled.normal(dg, compiled.recomputable(dg)), budget)
+        lowest = low if lowest is None else min(lowest, low)
+        if R is None:
             continue
         try:
-            return sp, plan_one(dg, budget, swap=False, time_limit=time_limit, executor="compiled"), lam
+            return sp, plan_one(dg, budget, swap=False, time_limit=time_limit, executor="compiled"), lam, lowest
         except InfeasibleBudgetError:
             continue
-    return None, None, None
+    return None, None, None, lowest
 
 
 def partition(graph: Any, devices: int, budget: "int | str | None" = None, *, example_inputs: Any = None,
@@ -242,15 +246,17 @@ def partition(graph: Any, devices: int, budget: "int | str | None" = None, *, ex
     planned = None
     if chosen is None:
         pk, sp, lam = least
+        floor = None
         if recompute:
-            chosen, planned, lam = _recomputing(graph, splits, int(budget), optimizer_factor, time_limit)
+            chosen, planned, lam, floor = _recomputing(graph, splits, int(budget), optimizer_factor, time_limit)
             search["lambda"] = lam
         if chosen is None:
+            low = min(pk, floor) if floor is not None else pk
             raise InfeasibleBudgetError(
                 f"no partition over {devices} devices fits {format_bytes(budget)} per device: the smallest "
                 f"per-device peak found is {format_bytes(pk)} without recomputation"
-                + (" (recomputation does not bring it under the budget either)" if recompute else "")
-                + "; use more devices or a larger budget", int(budget), min_feasible_bytes=int(pk))
+                + (f", {format_bytes(floor)} recomputing what runs on each device's own parts" if floor is not None
+                   else "") + "; use more devices or a larger budget", int(budget), min_feasible_bytes=int(low))
     if prove:
         search["certificates"] = certify(graph, chosen, search["lambda"] or 0.0, optimizer_factor, time_limit)
     out = _record(graph, chosen, budget, optimizer_factor, search, planned, device_type)

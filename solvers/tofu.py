@@ -48,7 +48,13 @@ their first accumulation; parameters (and optimizer state) fixed.  A parameter's
 arrives as the op's strategy makes it (partial sums, or a shard) and is reduced to the
 parameter's placement as soon as it is complete (FSDP's reduce-scatter, data parallel's
 all-reduce): the arriving gradient is a transient of the backward node that accumulates it
-first.  The keep-everything schedule's peak is the partition's prediction;
+first.  Conversions take memory as DTensor runs them: an output made otherwise than placed
+(partial sums, say) is a transient of its op while it is converted; in the backward an output's
+gradient the op reads otherwise than placed (whole, where it made partial sums) is converted in
+a node of its own before the op's backward (``:gather``), and an input's gradient made otherwise
+than placed is made in that form and converted in a node after it (``:convert``); a step that
+gathers or reduce-scatters along a tensor dimension other than the first stages one more copy
+(`staging_bytes`).  The keep-everything schedule's peak is the partition's prediction;
 `remat.plan` on that graph composes the single-device planner (recompute, swap) with it.  Each op's
 node names its op (``extra["op"]``); the nodes the distributed executor cannot recompute without
 communicating are marked ``extra["always_saved"]`` (the compiled class's pin,
@@ -720,6 +726,35 @@ def between_bytes(src: tuple, dst: tuple, shape: tuple, itemsize: int) -> int:
     return total
 
 
+def staging_bytes(src: tuple, dst: tuple, shape: tuple, itemsize: int) -> int:
+    """Per device, the most bytes of the copy DTensor stages inside one step of a conversion from
+    `src` to `dst` that gathers or reduce-scatters along a tensor dimension other than the first:
+    the collective works along the first, so the pieces are concatenated (or split and
+    concatenated) into one more tensor of the step's size whole along that mesh dimension."""
+    cur, most = list(src), 0
+    for level, frm, to in mesh_steps(tuple(src), tuple(dst)):
+        dim = frm.dim if frm.kind == "shard" and to.kind != "shard" else \
+            to.dim if frm.kind == "partial" and to.kind == "shard" else None
+        if dim:
+            whole = list(cur)
+            whole[level] = REPLICATE
+            most = max(most, math.prod(local_shape(shape, whole)) * itemsize)
+        cur[level] = to
+    return most
+
+
+def conversion_transient(src: tuple, dst: tuple, shape: tuple, itemsize: int, keep: str = "src") -> int:
+    """Per device, the bytes a conversion from `src` to `dst` takes beside what the graph counts:
+    the form named by `keep` (``"src"``: the tensor as made, whose converted form the graph counts;
+    ``"dst"``: the converted form, the graph counting the tensor as made), its intermediate forms
+    (`between_bytes`) and the staged copy (`staging_bytes`); 0 where nothing moves."""
+    if tuple(src) == tuple(dst):
+        return 0
+    end = src if keep == "src" else dst
+    return (math.prod(local_shape(shape, list(end))) * itemsize + between_bytes(src, dst, shape, itemsize)
+            + staging_bytes(src, dst, shape, itemsize))
+
+
 def _arrival_bytes(g: OpGraph, sp: Split, op: OpInfo, i: int) -> tuple[int, int]:
     """Per device, (the bytes of parameter input i's gradient as `op` makes it, those of the
     intermediate forms its reduction to the parameter's placement passes through: one mesh
@@ -785,7 +820,8 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
             # of a whole tensor is a copy too, which the op's backward keeps)
             if math.prod(s) > math.prod(sp.shapes[t]) or kind in ("activation", "input") and s != sp.shapes[t]:
                 want = tuple(placed(x, "in", i) for x in sp.strategy[op.id])
-                extra = between_bytes(sp.placement[t], want, g.tensors[t].shape, g.tensors[t].itemsize)
+                extra = between_bytes(sp.placement[t], want, g.tensors[t].shape, g.tensors[t].itemsize) + \
+                    staging_bytes(sp.placement[t], want, g.tensors[t].shape, g.tensors[t].itemsize)
                 again = regathered(g, op, i, sp.strategy[op.id])
                 gathered.append((math.prod(s) * g.tensors[t].itemsize, extra, kind, again))
                 converted.setdefault(op.id, set()).add(t)
@@ -794,6 +830,10 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
             sum(x for _, x, kind, _ in gathered if kind in ("activation", "input"))
         back_transient[op.id] = sum(b + x for b, x, kind, again in gathered if kind == "parameter" and again)
         out_b = sum(nbytes[t] for t in op.outputs if root[t] == t)
+        # outputs made where they are not placed: the made form while it is converted
+        made = [tuple(placed(x, "out", j) for x in sp.strategy[op.id]) for j in range(len(op.outputs))]
+        transient[op.id] += sum(conversion_transient(m, sp.placement[t], g.tensors[t].shape, g.tensors[t].itemsize)
+                                for m, t in zip(made, op.outputs))
         # what the backward keeps beside the op's output: converted copies of its inputs, max
         # pooling's indices, statistics (`kept_statistics`), what a random op keeps (`drawn_bytes`)
         for_backward = copies + kept_statistics(g, op, ins)
@@ -818,10 +858,30 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         edges.update((m, nid[op.id]) for m in makers)
         if for_backward:
             edges.add((kept[op.id], nid[op.id]))
-    bwd = {}
+    bwd, gather_in, convert_out, moved = {}, {}, {}, {}
+
+    def form(t: int, where: tuple) -> int:
+        return math.prod(local_shape(g.tensors[t].shape, list(where))) * g.tensors[t].itemsize
+
     for op in reversed(forward):
-        grads = sum(nbytes[root[t]] for t in set(op.inputs)
-                    if g.tensors[t].grad and g.tensors[root[t]].kind == "activation")
+        strat = sp.strategy[op.id]
+        # the outputs' gradients where the op's backward reads them otherwise than placed (whole
+        # where it made partial sums): converted first, in a node of their own
+        need = {t: tuple(REPLICATE if placed(x, "out", j) == PARTIAL else placed(x, "out", j) for x in strat)
+                for j, t in enumerate(op.outputs) if root[t] == t}
+        need = {t: w for t, w in need.items() if w != tuple(sp.placement[t])}
+        if need:
+            info = [(form(t, w), between_bytes(sp.placement[t], w, g.tensors[t].shape, g.tensors[t].itemsize)
+                     + staging_bytes(sp.placement[t], w, g.tensors[t].shape, g.tensors[t].itemsize))
+                    for t, w in need.items()]
+            gather_in[op.id] = add("backward", op, sum(b for b, _ in info), 0.0, workspace=max(x for _, x in info),
+                                   suffix=":gather")
+        # the inputs' gradients it makes elsewhere than placed (partial sums where it read an
+        # input whole): made in that form, then converted in a node of their own
+        made_at = {t: tuple(grad_placement(x, placed(x, "in", i)) for x in strat) for i, t in enumerate(op.inputs)
+                   if g.tensors[t].grad and g.tensors[root[t]].kind == "activation"}
+        moved[op.id] = {t for t, w in made_at.items() if w != tuple(sp.placement[t])}
+        grads = sum(form(t, made_at[t]) if t in moved[op.id] else nbytes[root[t]] for t in made_at)
         params = [t for t in set(op.inputs) if g.tensors[root[t]].kind == "parameter" and g.tensors[t].grad]
         first = [t for t in params if root[t] not in seen_param]
         seen_param.update(root[t] for t in params)
@@ -837,6 +897,15 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
             work += math.prod(sp.used_shape(g, op, 0)) * g.tensors[op.inputs[0]].itemsize
         i = add("backward", op, grads, 2 * nodes[nid[op.id]].time, in_place, work)
         bwd[op.id] = i
+        if op.id in gather_in:
+            edges.add((gather_in[op.id], i))
+        if moved[op.id]:
+            extra = max(between_bytes(made_at[t], sp.placement[t], g.tensors[t].shape, g.tensors[t].itemsize)
+                        + staging_bytes(made_at[t], sp.placement[t], g.tensors[t].shape, g.tensors[t].itemsize)
+                        for t in moved[op.id])
+            convert_out[op.id] = add("backward", op, sum(nbytes[root[t]] for t in moved[op.id]), 0.0, workspace=extra,
+                                     suffix=":convert")
+            edges.add((i, convert_out[op.id]))
         if arriving:
             # then, once autograd has let the op's saved inputs go (the hook that reduces a
             # gradient runs after its accumulation), reduced beside their own arriving form
@@ -852,11 +921,11 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         if op.id in kept:
             edges.add((kept[op.id], i))
     for op in forward + [loss]:
-        target = bwd.get(op.id, nid[op.id])
         for t in op.inputs:
             p = producer.get(root[t])
             if p is not None and p in bwd and g.tensors[t].grad:
-                edges.add((target, bwd[p]))
+                source = convert_out[op.id] if t in moved.get(op.id, ()) else bwd.get(op.id, nid[op.id])
+                edges.add((source, gather_in.get(p, bwd[p])))
     # (a tensor no op reads, a tied parameter's other name, say, is not on the device)
     read = {t for op in g.ops for t in op.inputs}
     fixed = sum(nbytes[t] * (1 + (optimizer_factor if info.grad else 0)) for t, info in g.tensors.items()
