@@ -48,7 +48,8 @@ the reordering off).
 Limits, named: no swap (offload) plans yet; with graph breaks each region is planned within its
 share of the budget, first come, first served (``remat.compiling``: the regions before it hold
 part of the budget, the later ones' parameters and gradients are added to it when they are
-compiled); a loss computed eagerly after the compiled region is not in its plan.
+compiled); a loss computed eagerly after the compiled region is not in its plan (the compiler
+says so when a region's results are read outside the regions: `remat.compiling`).
 """
 from __future__ import annotations
 

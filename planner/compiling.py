@@ -19,6 +19,11 @@ regions' peaks when the later region is compiled (`Region.step_peak`), and a ste
 over the budget fails there, naming the reserve that makes the first region leave room.
 `RematCompiler.report` names each region's share and the step's predicted peak
 (`RematCompiler.step_peak_bytes`).
+
+Code outside the regions.  A region whose results (wanting a gradient, not a scalar) no later
+region takes is read by the caller's own code, a loss computed eagerly on the logits, say, whose
+bytes no plan holds: found when the region's backward starts, said once (a warning, and a line
+of `RematCompiler.report`; `read_outside` holds those regions).
 """
 from __future__ import annotations
 
@@ -120,6 +125,9 @@ class RematCompiler:
         self.step_budget: int | None = None   # bytes, once a relative budget is resolved
         self._active: list[int] = []          # regions between their forward and their backward
         self._touched: dict[int, tuple] = {}  # region -> (its inputs' storages, weak references to its outputs)
+        self._ran_order: list[int] = []       # the step's regions in the order their forwards ran
+        self._results: dict[int, set] = {}    # region -> storages of its results that want a gradient, not scalars
+        self.read_outside: set[int] = set()   # regions whose results code outside the regions read (`_ran`)
         self._held, self._held_from, self._passed = 0, [], 0   # for the region being compiled (`held`)
         self._leaves = (0, 0)   # its new resident bytes and gradient bytes (`leaves`)
 
@@ -211,17 +219,21 @@ class RematCompiler:
             return
         if index in self._active:   # (it ran again before its backward: a new step)
             self._active.clear()
+            self._ran_order.clear()
         # (its inputs by storage: the tensors it is called with may be short-lived aliases of
         # parameters; its outputs by weak reference: held while the caller keeps them)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         self._touched[index] = ({storage_key(t): t.untyped_storage().nbytes() for t in tree_flatten(args)[0]
                                  if isinstance(t, torch.Tensor)}, [weakref.ref(t) for t in outs])
+        self._results[index] = {storage_key(t) for t in outs if t.requires_grad and t.dim() > 0}
+        self._ran_order.append(index)
         fn = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
         if fn is None:
             return
         self._active.append(index)
 
         def done(*_: Any) -> None:
+            self._outside(index)
             if index in self._active:
                 self._active.remove(index)
         # (a pre-hook: a hook that runs after the node would make the engine hold the region's
@@ -229,6 +241,25 @@ class RematCompiler:
         # where the region's program frees each at its last use: a transformers GPT-2 broken
         # before its loss measured 2.6 % over its prediction, the logits' gradient held)
         fn.register_prehook(done)
+
+    def _outside(self, index: int) -> None:
+        """Region `index`'s backward starts: where a result of it that wants a gradient and is not
+        a scalar was taken by no region that ran after it, code outside the regions read it (a
+        loss computed eagerly on the logits, say), and what that code allocates is not in any
+        plan: said once per region (a warning, and a line of `report`)."""
+        if index in self.read_outside or index not in self._ran_order:
+            return
+        later = self._ran_order[self._ran_order.index(index) + 1:]
+        taken = {k for r in later for k in self._touched.get(r, ({}, []))[0]}
+        if self._results.get(index, set()) - taken:
+            self.read_outside.add(index)
+            log.warning("remat.compiler: %s", self._outside_line(index))
+
+    @staticmethod
+    def _outside_line(index: int) -> str:
+        return (f"region {index}'s results are read by code outside the compiled regions (a loss computed "
+                "eagerly?): what that code allocates is not in the plan; compile it with the model, or leave room "
+                "for it with reserve=")
 
     def _tracked(self, compiled: Any, index: int | None):
         """`compiled` (the backend's callable) calling `_ran` after each run of region `index`."""
@@ -395,6 +426,7 @@ class RematCompiler:
         if len(self.regions) > 1:
             lines.append(f"the step: predicted peak {format_bytes_exact(self.step_peak_bytes)} (each region with what the "
                          "regions before it hold, and the later regions' parameters and gradients)")
+        lines += [self._outside_line(k) for k in sorted(self.read_outside)]
         return "\n".join(lines) or "no region compiled yet"
 
 

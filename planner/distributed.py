@@ -342,6 +342,9 @@ class Rebuilder:
 
     def read(self, n: _Note) -> torch.Tensor:
         if n.op not in self.values:
+            if n.op not in self.inputs:
+                raise NotImplementedError("a second backward through a partitioned step whose devices recompute "
+                                          "(retain_graph=True) is not supported: its inputs went after the first")
             local = {t: self.read(x) if isinstance(x, _Note) else x for t, x in self.inputs.pop(n.op).items()}
             self.values[n.op] = self.step.run_again(n.op, local)
         value = self.values[n.op][n.out]

@@ -679,6 +679,7 @@ def test_a_region_after_a_graph_break_is_planned_within_its_share(one_torch_thre
     m, rc, c = _compiled_like_eager(model, x, budget, eager, loss0, atol=1e-6)
     r0, r1 = rc.regions
     assert r1.budget_bytes == budget - r1.held_bytes and r1.recomputed_ops and "share" in rc.report()
+    assert rc.read_outside == set() and "outside" not in rc.report()   # (region 1 takes region 0's results)
     predicted = rc.step_peak_bytes
     measured = _allocator_peak(c, m, x)
     assert measured <= budget
@@ -693,6 +694,27 @@ def test_a_region_after_a_graph_break_is_planned_within_its_share(one_torch_thre
     with pytest.raises(Exception, match=r"with reserve=\d+ the region that starts the step"):
         _step(torch.compile(copy.deepcopy(model), backend=remat.compiler(tight, backend="aot_eager", time_limit=5,
                                                                          reserve=tight - 10 ** 6)), x)
+
+
+def test_a_loss_computed_outside_the_compiled_region_is_said(reference, one_torch_thread, caplog):
+    """A region whose results (not a scalar, wanting a gradient) no later region takes is read by
+    code outside the regions, whose bytes no plan holds: the compiler says so once, in a warning
+    and in its report; with the loss compiled with the model it says nothing."""
+    model, x, _, _ = reference
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    rc = remat.compiler("1.0x", backend="aot_eager", time_limit=10)
+    body = torch.compile(m.blocks, backend=rc)
+    with caplog.at_level("WARNING", logger="remat.compiled"):
+        for _ in range(2):
+            body(x).square().mean().backward()
+    assert rc.read_outside == {0}
+    assert "region 0's results are read by code outside the compiled regions" in rc.report()
+    assert sum("outside the compiled regions" in r.getMessage() for r in caplog.records) == 1
+    torch._dynamo.reset()
+    rc = remat.compiler("1.0x", backend="aot_eager", time_limit=10)
+    _step(torch.compile(copy.deepcopy(model), backend=rc), x)
+    assert rc.read_outside == set() and "outside" not in rc.report()
 
 
 class WideBreak(torch.nn.Module):
