@@ -219,6 +219,7 @@ class RematCompiler:
             return
         if index in self._active:   # (it ran again before its backward: a new step)
             self._active.clear()
+        if not self._active:        # (no region between its forward and its backward: a step starts)
             self._ran_order.clear()
         # (its inputs by storage: the tensors it is called with may be short-lived aliases of
         # parameters; its outputs by weak reference: held while the caller keeps them)

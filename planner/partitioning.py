@@ -132,7 +132,7 @@ class PartitionPlan:
 # ---- the search under a budget ------------------------------------------------------------------
 def _record(g: tofu.OpGraph, sp: tofu.Split, budget: int | None, optimizer_factor: float, search: dict,
             planned=None, device_type: str = "cpu") -> PartitionPlan:
-    dg = tofu.device_graph(g, sp, optimizer_factor)
+    dg = planned.graph if planned is not None else tofu.device_graph(g, sp, optimizer_factor)   # (what was planned)
     peak = planned.predicted["peak_bytes"] if planned is not None else keep_all_peak(dg)
     compute = planned.predicted["time"] if planned is not None else sum(v.time for v in dg.nodes)
     tensors = [{"name": t.name, "shape": list(t.shape), "kind": t.kind,
@@ -246,16 +246,16 @@ def partition(graph: Any, devices: int, budget: "int | str | None" = None, *, ex
     planned = None
     if chosen is None:
         pk, sp, lam = least
-        floor = None
+        lowest = None
         if recompute:
-            chosen, planned, lam, floor = _recomputing(graph, splits, int(budget), optimizer_factor, time_limit)
+            chosen, planned, lam, lowest = _recomputing(graph, splits, int(budget), optimizer_factor, time_limit)
             search["lambda"] = lam
         if chosen is None:
-            low = min(pk, floor) if floor is not None else pk
+            low = min(pk, lowest) if lowest is not None else pk
             raise InfeasibleBudgetError(
                 f"no partition over {devices} devices fits {format_bytes(budget)} per device: the smallest "
                 f"per-device peak found is {format_bytes(pk)} without recomputation"
-                + (f", {format_bytes(floor)} recomputing what runs on each device's own parts" if floor is not None
+                + (f", {format_bytes(lowest)} recomputing what runs on each device's own parts" if lowest is not None
                    else "") + "; use more devices or a larger budget", int(budget), min_feasible_bytes=int(low))
     if prove:
         search["certificates"] = certify(graph, chosen, search["lambda"] or 0.0, optimizer_factor, time_limit)

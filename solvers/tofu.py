@@ -743,16 +743,19 @@ def staging_bytes(src: tuple, dst: tuple, shape: tuple, itemsize: int) -> int:
     return most
 
 
-def conversion_transient(src: tuple, dst: tuple, shape: tuple, itemsize: int, keep: str = "src") -> int:
-    """Per device, the bytes a conversion from `src` to `dst` takes beside what the graph counts:
-    the form named by `keep` (``"src"``: the tensor as made, whose converted form the graph counts;
-    ``"dst"``: the converted form, the graph counting the tensor as made), its intermediate forms
-    (`between_bytes`) and the staged copy (`staging_bytes`); 0 where nothing moves."""
+def passing_bytes(src: tuple, dst: tuple, shape: tuple, itemsize: int) -> int:
+    """Per device, the bytes a conversion from `src` to `dst` passes through besides its two
+    ends: its intermediate forms (`between_bytes`) and the copy it stages (`staging_bytes`)."""
+    return between_bytes(src, dst, shape, itemsize) + staging_bytes(src, dst, shape, itemsize)
+
+
+def conversion_transient(src: tuple, dst: tuple, shape: tuple, itemsize: int) -> int:
+    """Per device, the bytes a tensor made placed `src` takes while it is converted to `dst`,
+    beside its converted form (which the graph counts): itself and what the conversion passes
+    through (`passing_bytes`); 0 where nothing moves."""
     if tuple(src) == tuple(dst):
         return 0
-    end = src if keep == "src" else dst
-    return (math.prod(local_shape(shape, list(end))) * itemsize + between_bytes(src, dst, shape, itemsize)
-            + staging_bytes(src, dst, shape, itemsize))
+    return math.prod(local_shape(shape, list(src))) * itemsize + passing_bytes(src, dst, shape, itemsize)
 
 
 def _arrival_bytes(g: OpGraph, sp: Split, op: OpInfo, i: int) -> tuple[int, int]:
@@ -820,8 +823,7 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
             # of a whole tensor is a copy too, which the op's backward keeps)
             if math.prod(s) > math.prod(sp.shapes[t]) or kind in ("activation", "input") and s != sp.shapes[t]:
                 want = tuple(placed(x, "in", i) for x in sp.strategy[op.id])
-                extra = between_bytes(sp.placement[t], want, g.tensors[t].shape, g.tensors[t].itemsize) + \
-                    staging_bytes(sp.placement[t], want, g.tensors[t].shape, g.tensors[t].itemsize)
+                extra = passing_bytes(sp.placement[t], want, g.tensors[t].shape, g.tensors[t].itemsize)
                 again = regathered(g, op, i, sp.strategy[op.id])
                 gathered.append((math.prod(s) * g.tensors[t].itemsize, extra, kind, again))
                 converted.setdefault(op.id, set()).add(t)
@@ -871,8 +873,7 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
                 for j, t in enumerate(op.outputs) if root[t] == t}
         need = {t: w for t, w in need.items() if w != tuple(sp.placement[t])}
         if need:
-            info = [(form(t, w), between_bytes(sp.placement[t], w, g.tensors[t].shape, g.tensors[t].itemsize)
-                     + staging_bytes(sp.placement[t], w, g.tensors[t].shape, g.tensors[t].itemsize))
+            info = [(form(t, w), passing_bytes(sp.placement[t], w, g.tensors[t].shape, g.tensors[t].itemsize))
                     for t, w in need.items()]
             gather_in[op.id] = add("backward", op, sum(b for b, _ in info), 0.0, workspace=max(x for _, x in info),
                                    suffix=":gather")
@@ -900,8 +901,7 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         if op.id in gather_in:
             edges.add((gather_in[op.id], i))
         if moved[op.id]:
-            extra = max(between_bytes(made_at[t], sp.placement[t], g.tensors[t].shape, g.tensors[t].itemsize)
-                        + staging_bytes(made_at[t], sp.placement[t], g.tensors[t].shape, g.tensors[t].itemsize)
+            extra = max(passing_bytes(made_at[t], sp.placement[t], g.tensors[t].shape, g.tensors[t].itemsize)
                         for t in moved[op.id])
             convert_out[op.id] = add("backward", op, sum(nbytes[root[t]] for t in moved[op.id]), 0.0, workspace=extra,
                                      suffix=":convert")
