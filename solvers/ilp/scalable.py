@@ -573,6 +573,9 @@ class ScalableSearch:
             if cs is None:
                 break
             coarse_report = dict(cs.report)
+            # the phase's own incumbent, said once it ends (CBC's log, polled while it runs, may
+            # show none when it ends between two polls)
+            self.tell("coarse", coarse_report.get("objective"), None)
             log.info("ilp-scalable: coarse ILP %s, objective %.6g (%.1f s)", cs.report.get("status"),
                      cs.report.get("objective"), _time.perf_counter() - self.t0)
             if co.graph.n == graph.n:
