@@ -40,10 +40,13 @@ pointwise result is written into the buffer of an input its kernel reads last, o
 (`writes_into`: a batch norm's backward into the saved ReLU output).  Both in the replay, and in
 the plan's class (`remat.core.compiled`: backward ops it does not store have no bytes and their
 readers read what they read; recomputed forward ones are ``inline`` ops before each reader; an
-in-place result follows an ``into`` op).  Not modelled: its memory-aware reordering (an op
+in-place result follows an ``into`` op).  Not modelled here: its memory-aware reordering (an op
 whose output only the caller reads, made from small inputs, run after the peak: torchvision
 ResNet-50's classifier weight gradient: its steps measure 8.13 MB under the replay, 30 KB with
-the reordering off).
+the reordering off) and its horizontal fusions (a ViT's saved q and k of every layer copied in
+one kernel at the forward's end, keeping them all to there).  What inductor finally generates
+is read by `remat.frontends.inductor_code`, and ``remat.compiler`` predicts the region from that
+code (`remat.compiling`).
 
 Limits, named: no swap (offload) plans yet; with graph breaks each region is planned within its
 share of the budget, first come, first served (``remat.compiling``: the regions before it hold

@@ -20,6 +20,13 @@ over the budget fails there, naming the reserve that makes the first region leav
 `RematCompiler.report` names each region's share and the step's predicted peak
 (`RematCompiler.step_peak_bytes`).
 
+Inductor's code.  With inductor the region's prediction (`Region.program`) is read off the code
+inductor generated from the partitioner's graphs (`RematCompiler.code_program`,
+`remat.frontends.inductor_code`), which holds what the graphs do not say (its fusions across
+layers, its reordering); the replay of the graphs stays as `Region.replay`.  Where that code is
+over the region's budget, the region is planned again lower by the excess and compiled again
+(`CODE_TRIES` compiles at most, then `InfeasibleBudgetError`).
+
 Code outside the regions.  A region whose results (wanting a gradient, not a scalar) no later
 region takes is read by the caller's own code, a loss computed eagerly on the logits, say, whose
 bytes no plan holds: found when the region's backward starts, said once (a warning, and a line
@@ -42,6 +49,7 @@ from remat.core.graph import Graph
 from remat.core.units import format_bytes_exact
 from remat.frontends.compiled import (BACKENDS, OpTimes, Program, inductor_channels_last, joint_graph, knapsack_sets,
                                      layout_copies, program, region_device, tag)
+from remat.frontends.inductor_code import UnreadableCode, step_bytes
 from remat.frontends.measuring import storage_key
 from remat.frontends.profile import FlopsModel
 
@@ -52,6 +60,7 @@ log = logging.getLogger("remat.compiled")
 
 
 TRIES = 4   # plans per region until the partitioner's graphs fit the budget
+CODE_TRIES = 3   # inductor compiles per region until its generated code fits the budget
 # activation_memory_budget values whose sets (what PyTorch's partitioner recomputes: at 1, its
 # default min cut; below, its knapsack) the plan's search also fits from (`knapsack_sets`)
 KNAPSACK = (1.0, 0.9, 0.7, 0.5, 0.3)
@@ -74,6 +83,9 @@ class Region:
     # those regions), and those parameters' gradients (alive through their backward): `leaves`
     leaf_bytes: int = 0
     leaf_grad_bytes: int = 0
+    # with inductor: the replay of the partitioner's graphs, where `program` is read off the code
+    # inductor generated from them (`RematCompiler.code_program`)
+    replay: Program | None = None
 
     def step_peak(self, later: list) -> int:
         """Its peak within the step, given the `later` regions that run while it is active: what
@@ -130,6 +142,8 @@ class RematCompiler:
         self.read_outside: set[int] = set()   # regions whose results code outside the regions read (`_ran`)
         self._held, self._held_from, self._passed = 0, [], 0   # for the region being compiled (`held`)
         self._leaves = (0, 0)   # its new resident bytes and gradient bytes (`leaves`)
+        self._cut = 0           # bytes the region being compiled is planned under its budget (`_inductor`)
+        self._graphs: tuple = ()   # the last partition's forward and backward graphs, outputs, op times
 
     # -- graph breaks: what the regions before a region hold ---------------------------------------
     def held(self, inputs: list) -> tuple[int, list[int], int]:
@@ -316,7 +330,9 @@ class RematCompiler:
                 f"{', '.join(map(str, before))} before it, and its own parameters and inputs take "
                 f"{format_bytes_exact(jg.graph.fixed_bytes)} more: raise the budget, or remove the graph break "
                 "(fullgraph=True shows where)", budget_bytes=step_budget, min_feasible_bytes=held + jg.graph.fixed_bytes)
-        target, tries, best, joint = budget, [], None, gm.graph
+        # (`_cut`: what inductor's code held over the last compile's budget, `_inductor`)
+        limit = budget - self._cut
+        target, tries, best, joint = limit, [], None, gm.graph
         names = [v.name for v in jg.graph.nodes]
         made_here = jg.made_here if self.buffers else None
         starts = [[names[v] for v in sorted(R)] for R in knapsack_sets(gm, joint_inputs, jg, self.knapsack, **kwargs)]
@@ -359,15 +375,15 @@ class RematCompiler:
                            buffers=self.buffers, made_here=made_here)
             tries.append({"budget_bytes": target, "planned_peak_bytes": p.predicted["peak_bytes"],
                           "peak_bytes": prog.peak_bytes})
-            if best is None or prog.peak_bytes < best[3].peak_bytes or prog.peak_bytes <= budget:
+            if best is None or prog.peak_bytes < best[3].peak_bytes or prog.peak_bytes <= limit:
                 best = (p, recompute, (fw, bw), prog)
-            if prog.peak_bytes <= budget:
+            if prog.peak_bytes <= limit:
                 break
             # (the next plan's budget: lower by the excess, and by at least the replay's excess
             # over this plan's own prediction, which the plan's model did not see)
-            target = min(target - (prog.peak_bytes - budget), budget - (prog.peak_bytes - p.predicted["peak_bytes"]))
+            target = min(target - (prog.peak_bytes - limit), limit - (prog.peak_bytes - p.predicted["peak_bytes"]))
         p, recompute, graphs, prog = best
-        if prog.peak_bytes > budget:
+        if prog.peak_bytes > limit and (not self._cut or prog.peak_bytes > budget):
             raise InfeasibleBudgetError(
                 f"remat.compiler: no partition found within {format_bytes_exact(budget)}"
                 + (f" (the budget less reserve={self.reserve})" if self.reserve and not before else "")
@@ -380,6 +396,7 @@ class RematCompiler:
                     f"{format_bytes_exact(held)} that region(s) {', '.join(map(str, before))} hold while it runs")
             log.info("remat.compiler: region %d %s", len(self.regions), note)
         ops = [n.name for v in jg.graph.nodes if v.id in recompute for n in jg.members[v.id]]
+        self._graphs = (*graphs, num_fwd, times)
         self.regions.append(Region(jg.graph, p, ops, prog, budget, tries, note, held, tuple(before), *self._leaves))
         log.info("remat.compiler: region %d: %d nodes, %d ops recomputed, predicted peak %d bytes (budget %d)",
                  len(self.regions) - 1, jg.graph.n, len(ops), prog.peak_bytes, budget)
@@ -395,10 +412,7 @@ class RematCompiler:
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list):
         if self.backend == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-            # (no FX graph cache: a plan depends on the budget, which the cache key does not hold)
-            return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": _partitioner(self),
-                                                                  "fx_graph_cache": False})
+            return self._inductor(gm, example_inputs)
         import torch._functorch.config as functorch_config
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
@@ -413,6 +427,104 @@ class RematCompiler:
         with functorch_config.patch(unlift_effect_tokens=True):
             return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, decompositions=select_decomp_table(),
                                 partition_fn=self.partition)(gm, example_inputs)
+
+    def _inductor(self, gm: fx.GraphModule, example_inputs: list):
+        """Compile with inductor, then read the region's peaks off the code it generated
+        (`code_program`); where that code is over the region's budget, plan again under it by
+        the excess (and by at least what the code held over the plan's replay) and compile again
+        (up to `CODE_TRIES` compiles)."""
+        import torch._functorch.config as functorch_config
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        n, cut, excess = len(self.regions), 0, []
+        for attempt in range(CODE_TRIES):
+            codes: dict = {}
+
+            def inner(g, inputs, *args, **kwargs):
+                out = compile_fx_inner(g, inputs, *args, **kwargs)
+                codes["backward" if kwargs.get("is_backward") else "forward"] = getattr(out, "source_code", None)
+                return out
+            self._cut = cut
+            # (no FX graph cache: a plan depends on the budget, which the cache key does not hold;
+            # the backward compiled with the forward, not at its first run, so its code is read now)
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                compiled = compile_fx(gm, example_inputs, inner_compile=inner,
+                                      config_patches={"custom_partitioner_fn": _partitioner(self),
+                                                      "fx_graph_cache": False})
+            self._cut = 0
+            if len(self.regions) == n:   # (no joint graph planned: an inference graph)
+                return compiled
+            region = self.regions[-1]
+            code = self.code_program(region, codes)
+            if code is None:
+                return compiled
+            region.replay, region.program = region.program, code
+            if code.peak_bytes <= region.budget_bytes or attempt == CODE_TRIES - 1:
+                break
+            excess.append(code.peak_bytes - region.budget_bytes)
+            # (lower by the excess, and by at least what the code held over this plan's replay:
+            # a plan whose replay lies under its target by some slack must not spend it again)
+            cut = max(cut + excess[-1], code.peak_bytes - region.replay.peak_bytes)
+            log.info("remat.compiler: region %d: inductor's code peaks at %d bytes, %d over its budget: planning "
+                     "again %d bytes under it", n, code.peak_bytes, excess[-1], cut)
+            self.regions.pop()
+        if region.program.peak_bytes > region.budget_bytes:
+            raise InfeasibleBudgetError(
+                f"remat.compiler: inductor's code for region {n} peaks at {format_bytes_exact(region.program.peak_bytes)}, "
+                f"over its budget {format_bytes_exact(region.budget_bytes)}, after {CODE_TRIES} plans each lower by "
+                "what the code held over the last: raise the budget", budget_bytes=region.budget_bytes,
+                min_feasible_bytes=region.program.peak_bytes)
+        return compiled
+
+    def code_program(self, region: Region, codes: dict) -> Program | None:
+        """The region's `Program` with its peaks read off inductor's generated code
+        (`remat.frontends.inductor_code.step_bytes`: what its own fusion, buffer reuse and
+        reordering hold), the replay's time; None (and a log line) where the code is not there
+        or not readable, the replay standing."""
+        fw, bw, num_fwd, times = self._graphs
+        if not codes.get("forward") or not codes.get("backward"):
+            log.info("remat.compiler: inductor's code was not handed back; the region's peak is the replay's")
+            return None
+        nodes = {"forward": {n.name: n for n in fw.graph.nodes}, "backward": {n.name: n for n in bw.graph.nodes}}
+
+        def tensors(n: fx.Node) -> list:
+            return [t for t in tree_flatten(n.meta.get("val"))[0] if isinstance(t, torch.Tensor)]
+
+        def named(which: str, names: list) -> list:
+            return [nodes[which][k] for k in names if k in nodes[which]]
+
+        def itemsize(which: str, names: list, size: list) -> int | None:
+            exact = [t for v in named(which, names) for t in tensors(v) if list(t.shape) == list(size)]
+            return exact[-1].element_size() if exact else None
+
+        def input_itemsize(which: str, name: str) -> int | None:
+            ts = [t for v in named(which, [name]) for t in tensors(v)]
+            return ts[0].element_size() if ts else None
+
+        def scratch(which: str, names: list) -> int:
+            return max((times.scratch(v) for v in named(which, names) if v.op == "call_function"), default=0)
+        tangents = {n.name: tensors(n) for n in bw.graph.nodes if n.op == "placeholder"}
+        # (a scalar's gradient, a loss's: ``backward()`` holds it to the backward's end)
+        roots = {k for k, ts in tangents.items() if ts and all(t.numel() == 1 for t in ts)}
+        prog = region.program
+        try:
+            peaks = step_bytes(codes["forward"], codes["backward"], num_fwd, region_device(fw),
+                               lambda names: [("fixed", k) for k in names],
+                               lambda k: sum(t.untyped_storage().nbytes() for t in tangents.get(k, ())), roots,
+                               itemsize=itemsize, input_itemsize=input_itemsize, scratch=scratch)
+        except (UnreadableCode, SyntaxError, ValueError) as e:
+            log.info("remat.compiler: inductor's code not read (%s); the region's peak is the replay's", e)
+            return None
+        fixed = prog.fixed_bytes
+        log.info("remat.compiler: inductor's code: forward peak %d bytes at %r, backward %d at %r (the replay: %d, %d)",
+                 fixed + peaks.forward_bytes, peaks.forward_line, fixed + peaks.backward_bytes, peaks.backward_line,
+                 prog.forward_peak_bytes, prog.backward_peak_bytes)
+        # (per graph the larger of the code's and the replay's peak: the code reading prices an ATen
+        # kernel's scratch as measured on made-up tensors of the graph's layouts, and the code
+        # may pass it others -- a convolution's backward reading a weight that is not
+        # channels-last -- whose kernel then allocates more)
+        fwd = max(fixed + peaks.forward_bytes, prog.forward_peak_bytes)
+        bwd = max(fixed + peaks.backward_bytes, prog.backward_peak_bytes)
+        return Program(max(fwd, bwd), prog.time, fixed, peaks.saved_bytes, fwd, bwd, prog.recomputed_ops)
 
     def report(self) -> str:
         """A line per compiled region: nodes, ops recomputed, predicted peak within the budget,

@@ -360,6 +360,53 @@ def test_inductor_compiles_the_planned_step_within_the_prediction(reference, one
     assert region.recomputed_ops
 
 
+def test_a_region_whose_inductor_code_is_over_its_budget_is_compiled_again_lower(reference, one_torch_thread,
+                                                                                   monkeypatch):
+    """With inductor the region's prediction is read off the code inductor generated
+    (`remat.frontends.inductor_code`; the replay's where that is higher).  Where that code is
+    over the region's budget (here the first compile's reading is made 64 KiB over it), the region
+    is planned again lower by the excess and compiled again; a code over the budget at every
+    compile fails the compile in one line naming its peak."""
+    import dataclasses
+    from remat import compiling
+    model, x, _, _ = reference
+    real, seen = compiling.step_bytes, []
+
+    def over(by):
+        def read(*args, **kwargs):
+            peaks = real(*args, **kwargs)
+            region = rc.regions[-1]
+            seen.append(region.program.peak_bytes)   # (the replay, before the code's reading replaces it)
+            if by is not None and (by or len(seen) == 1):   # (by 0: the first reading only)
+                extra = region.budget_bytes - region.program.fixed_bytes - peaks.backward_bytes + (by or 65536)
+                peaks = dataclasses.replace(peaks, backward_bytes=peaks.backward_bytes + extra)
+            return peaks
+        return read
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    rc = remat.compiler("0.75x", backend="inductor", time_limit=10, knapsack=())
+    monkeypatch.setattr(compiling, "step_bytes", over(0))
+    c = torch.compile(m, backend=rc)
+    _step(c, x)
+    [region] = rc.regions
+    assert len(seen) == 2
+    # (the second plan's target: under the budget by the 64 KiB the first reading held over it,
+    # or by what it held over its replay where that is more)
+    cut = max(65536, region.budget_bytes + 65536 - seen[0])
+    assert region.tries[0]["budget_bytes"] == region.budget_bytes - cut
+    assert region.program.peak_bytes <= region.budget_bytes and region.replay is not None
+    measured = _allocator_peak(c, m, x)
+    assert region.program.peak_bytes * 0.99 <= measured <= region.program.peak_bytes + 4   # (+ the loss)
+    torch._dynamo.reset()
+    seen.clear()
+    monkeypatch.setattr(compiling, "CODE_TRIES", 2)
+    monkeypatch.setattr(compiling, "step_bytes", over(1 << 20))
+    rc = remat.compiler("0.75x", backend="inductor", time_limit=10, knapsack=())
+    with pytest.raises(Exception, match="inductor's code for region 0 peaks at .* over its budget"):
+        _step(torch.compile(copy.deepcopy(model), backend=rc), x)
+    assert len(seen) == 2
+
+
 def test_inductor_copies_a_convolutions_graph_inputs_to_channels_last():
     """Inductor runs a graph's 2-d convolutions channels-last (on a CPU with oneDNN, always): a
     graph input a convolution reads that is not channels-last already (the batch, a 3x3 weight)
@@ -459,8 +506,7 @@ def test_inductors_buffer_rewrites_are_modelled_where_asked(one_torch_thread):
     class's program of every try is the replay of the partitioner's graphs byte for byte, the
     keep-all program is lower than without by most of a weight (the step's end, its peak without
     them, held four weight-sized buffers: the product, the zeros, the scatter, the sum; inductor
-    two), and the step measures at or below the prediction: within 0.5 % with them, 22 % under
-    without."""
+    two), and the step measures the replay within 0.5 % with them, 22 % under without."""
     torch.manual_seed(0)
     ids = torch.randint(0, 4096, (2, 4))   # (few tokens: the step's end, with the weight's gradients, is its peak)
     model = TiedHead()
@@ -473,6 +519,9 @@ def test_inductors_buffer_rewrites_are_modelled_where_asked(one_torch_thread):
         assert all(t["planned_peak_bytes"] == t["peak_bytes"] for t in region.tries), region.tries
         progs[buffers] = compiled.program(g, set())[1].peak_bytes
         measured = _allocator_peak(c, m, ids)
+        # (the prediction, the larger of inductor's code's and the replay's peak, holds the step;
+        # the replay of the partitioner's graphs, what the plan's model follows, is what the
+        # buffer rewrites change)
         assert measured <= region.program.peak_bytes
         folded = [v for v in g.nodes if v.extra.get("op") == "add.Tensor" and v.kind == "backward"
                   and any(name.startswith("mm") for name in v.extra["ops"])]
@@ -481,10 +530,10 @@ def test_inductors_buffer_rewrites_are_modelled_where_asked(one_torch_thread):
             assert "index_put" in v.extra["op"] and v.bytes == 0 and v.kind == "backward"
             assert g.nodes[v.extra["inplace_of"]].extra["op"] == "full.default"
             assert len(folded) == 1
-            assert measured == pytest.approx(region.program.peak_bytes, rel=5e-3)
+            assert measured == pytest.approx(region.replay.peak_bytes, rel=5e-3)
         else:
             assert not written and not folded
-            assert measured < 0.8 * region.program.peak_bytes
+            assert measured < 0.8 * region.replay.peak_bytes
     assert progs[False] - progs[True] > model.emb.weight.nbytes * 3 // 4
     with pytest.raises(InvalidInputError, match="buffers"):
         remat.compiler("0.5x", backend="aot_eager", buffers=True)

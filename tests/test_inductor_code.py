@@ -1,0 +1,100 @@
+"""Reading inductor's generated wrapper code (`remat.frontends.inductor_code`): its buffers, reuses,
+allocating kernels and deletions, on code of the shapes inductor writes, against sums by hand;
+a statement of another shape is refused, not guessed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat.frontends.inductor_code import UnreadableCode, extent_bytes, follow, step_bytes
+
+CPU = torch.device("cpu")
+
+FORWARD = '''
+class Runner:
+    def call(self, args):
+        primals_1, primals_2 = args
+        args.clear()
+        buf0 = empty_strided_cpu((8, 16), (16, 1), torch.float32)
+        # Topologically Sorted Source Nodes: [mm], Original ATen: [aten.mm]
+        extern_kernels.mm(primals_1, primals_2, out=buf0)
+        buf1 = empty_strided_cpu((8, 16), (16, 1), torch.bool)
+        buf2 = empty_strided_cpu((8, 16), (16, 1), torch.float32)
+        cpp_fused_relu_0(buf0, buf1, buf2)
+        buf3 = reinterpret_tensor(buf0, (128, ), (1, ), 0); del buf0  # reuse
+        # Topologically Sorted Source Nodes: [conv], Original ATen: [aten.convolution]
+        buf4 = extern_kernels.convolution(buf2, primals_2, stride=(1, 1))
+        assert_size_stride(buf4, (2, 4, 4, 4), (64, 1, 16, 4), 'torch.ops.aten.convolution.default')
+        del buf3
+        buf5 = empty_strided_cpu((8, 8), (8, 1), torch.float32)
+        cpp_fused_sum_1(buf4, buf5)
+        return (buf5, buf1, reinterpret_tensor(buf2, (16, 8), (8, 1), 0), primals_2, )
+'''
+
+BACKWARD = '''
+def call(args):
+    gt, relu, primals_2, tangents_1 = args
+    args.clear()
+    buf0 = empty_strided_cpu((8, 16), (16, 1), torch.float32)
+    cpp_fused_threshold_backward_0(tangents_1, gt, relu, buf0)
+    del gt
+    del tangents_1
+    # Topologically Sorted Source Nodes: [cb], Original ATen: [aten.convolution_backward]
+    buf1 = torch.ops.aten.convolution_backward.default(buf0, relu, primals_2)
+    buf2 = buf1[0]
+    assert_size_stride(buf2, (8, 16), (16, 1), 'torch.ops.aten.convolution_backward.default')
+    buf3 = buf1[1]
+    assert_size_stride(buf3, (16, 16), (16, 1), 'torch.ops.aten.convolution_backward.default')
+    del buf1
+    del relu
+    del buf0
+    return (None, buf3, )
+'''
+
+
+def test_extent_of_a_strided_tensor():
+    assert extent_bytes([2, 3], [3, 1], 4) == 24
+    assert extent_bytes([2, 3], [1, 2], 4) == (1 + 1 + 4) * 4   # (a transposed view spans less)
+    assert extent_bytes([4, 0], [1, 1], 4) == 0
+
+
+def test_the_forward_is_its_buffers_and_what_it_returns():
+    run = follow(FORWARD, CPU, lambda names: [(("fixed", n), None) for n in names],
+                 input_itemsize=lambda name: 4, scratch=lambda ops: 100 if ops == ["conv"] else 0)
+    f32, b = 8 * 16 * 4, 8 * 16
+    conv = extent_bytes([2, 4, 4, 4], [64, 1, 16, 4], 4)
+    # at the convolution: buf0 (reused as buf3), buf1, buf2, its result and its scratch
+    assert run.peak_bytes == f32 + b + f32 + conv + 100
+    assert run.peak_line.startswith("assert_size_stride(buf4")
+    assert run.inputs == ["primals_1", "primals_2"]
+    assert run.returned[3] == ("fixed", "primals_2")
+    assert len({k for k in run.returned[:3]}) == 3 and all(k[0] == "code" for k in run.returned[:3])
+
+
+def test_the_backward_frees_what_it_deletes_and_keeps_what_it_returns():
+    peaks = step_bytes(FORWARD, BACKWARD, 1, CPU, lambda names: [("fixed", n) for n in names],
+                       lambda name: 32, input_itemsize=lambda graph, name: 4)
+    f32, b, result = 8 * 16 * 4, 8 * 16, 8 * 8 * 4
+    # saved: the mask (buf1) and the ReLU's output (buf2); the result (buf5) held by the caller
+    assert peaks.saved_bytes == b + f32
+    # backward: result + mask + relu + tangent + buf0, then the mask and the tangent go before
+    # the convolution's two gradients arrive
+    start = result + b + f32 + 32 + f32
+    at_conv = result + f32 + f32 + f32 + 16 * 16 * 4
+    assert peaks.backward_bytes == max(start, at_conv)
+
+
+def test_a_backward_whose_inputs_are_not_what_the_forward_saved_is_refused():
+    swapped = BACKWARD.replace("gt, relu, primals_2, tangents_1 = args", "primals_2, gt, relu, tangents_1 = args")
+    with pytest.raises(UnreadableCode, match="primals_2"):
+        step_bytes(FORWARD, swapped, 1, CPU, lambda names: [("fixed", n) for n in names], lambda name: 32)
+
+
+def test_a_statement_of_another_shape_is_refused():
+    odd = FORWARD.replace("buf5 = empty_strided_cpu((8, 8), (8, 1), torch.float32)", "buf5 = make_buffer(8)")
+    with pytest.raises(UnreadableCode, match="make_buffer"):
+        follow(odd, CPU, lambda names: [(n, None) for n in names])
+    unsized = FORWARD.replace("        assert_size_stride(buf4, (2, 4, 4, 4), (64, 1, 16, 4), "
+                              "'torch.ops.aten.convolution.default')\n", "")
+    with pytest.raises(UnreadableCode, match="buf4"):
+        follow(unsized, CPU, lambda names: [(n, None) for n in names])
