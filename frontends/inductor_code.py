@@ -131,8 +131,8 @@ def follow(source: str, device: torch.device, keys: Callable[[list], list], pinn
     holders: dict = {}     # storage key -> names holding it
     owner: dict = {}       # name -> storage keys it holds
     live: dict = {}        # counted storage key -> bytes
-    sizes: dict = {}
     run = CodeRun(inputs=[])
+    sizes = run.sizes
     pending: dict = {}     # name -> (the fx ops of the kernel whose result it is, its first argument's
     #                        element size), until its assertion sizes it
     elem: dict = {}        # name -> element size
@@ -250,7 +250,6 @@ def follow(source: str, device: torch.device, keys: Callable[[list], list], pinn
                 run.returned.append(owner[b][0] if b in owner and owner[b] else None)
             break
         # (anything else binds no storage: kernel launches with their outputs given, args.clear())
-    run.sizes = sizes
     return run
 
 

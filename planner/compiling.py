@@ -23,9 +23,10 @@ over the budget fails there, naming the reserve that makes the first region leav
 Inductor's code.  With inductor the region's prediction (`Region.program`) is read off the code
 inductor generated from the partitioner's graphs (`RematCompiler.code_program`,
 `remat.frontends.inductor_code`), which holds what the graphs do not say (its fusions across
-layers, its reordering); the replay of the graphs stays as `Region.replay`.  Where that code is
-over the region's budget, the region is planned again lower by the excess and compiled again
-(`CODE_TRIES` compiles at most, then `InfeasibleBudgetError`).
+layers, its reordering; per graph the larger of its reading and the replay's); the replay of the
+graphs stays as `Region.replay`.  Where that is over the region's budget, the region is planned
+again under the budget by the excess (and by at least what the code held over the plan's
+replay) and compiled again (`CODE_TRIES` compiles at most, then `InfeasibleBudgetError`).
 
 Code outside the regions.  A region whose results (wanting a gradient, not a scalar) no later
 region takes is read by the caller's own code, a loss computed eagerly on the logits, say, whose
@@ -383,7 +384,8 @@ class RematCompiler:
             # over this plan's own prediction, which the plan's model did not see)
             target = min(target - (prog.peak_bytes - limit), limit - (prog.peak_bytes - p.predicted["peak_bytes"]))
         p, recompute, graphs, prog = best
-        if prog.peak_bytes > limit and (not self._cut or prog.peak_bytes > budget):
+        # (under a cut, a replay between the limit and the budget stands: its code decides)
+        if prog.peak_bytes > budget:
             raise InfeasibleBudgetError(
                 f"remat.compiler: no partition found within {format_bytes_exact(budget)}"
                 + (f" (the budget less reserve={self.reserve})" if self.reserve and not before else "")
@@ -435,7 +437,7 @@ class RematCompiler:
         (up to `CODE_TRIES` compiles)."""
         import torch._functorch.config as functorch_config
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-        n, cut, excess = len(self.regions), 0, []
+        n, cut = len(self.regions), 0
         for attempt in range(CODE_TRIES):
             codes: dict = {}
 
@@ -460,12 +462,12 @@ class RematCompiler:
             region.replay, region.program = region.program, code
             if code.peak_bytes <= region.budget_bytes or attempt == CODE_TRIES - 1:
                 break
-            excess.append(code.peak_bytes - region.budget_bytes)
+            over = code.peak_bytes - region.budget_bytes
             # (lower by the excess, and by at least what the code held over this plan's replay:
             # a plan whose replay lies under its target by some slack must not spend it again)
-            cut = max(cut + excess[-1], code.peak_bytes - region.replay.peak_bytes)
+            cut = max(cut + over, code.peak_bytes - region.replay.peak_bytes)
             log.info("remat.compiler: region %d: inductor's code peaks at %d bytes, %d over its budget: planning "
-                     "again %d bytes under it", n, code.peak_bytes, excess[-1], cut)
+                     "again %d bytes under it", n, code.peak_bytes, over, cut)
             self.regions.pop()
         if region.program.peak_bytes > region.budget_bytes:
             raise InfeasibleBudgetError(
