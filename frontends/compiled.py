@@ -283,9 +283,18 @@ EXTERN = CONVOLUTIONS + ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm."
 
 def inductor_generates(n: fx.Node) -> bool:
     """Inductor compiles fx op `n` into a kernel of its own: the op has a lowering that is not a
-    fallback to ATen and not a call of an external kernel (`EXTERN`)."""
+    fallback to ATen and not a call of an external kernel (`EXTERN`).  A random op run through a
+    random-state wrapper (``run_with_rng_state``) is the wrapper's: a fallback; one whose lowering
+    falls back under ``torch._inductor.config.fallback_random`` (``native_dropout``) is ATen's
+    there."""
+    from torch._decomp.decompositions_for_rng import extra_random_decomps
+    from torch._inductor import config
     from torch._inductor.lowering import fallbacks, lowerings
+    if not isinstance(n.target, torch._ops.OpOverload) and n.target in fallbacks:
+        return False
     op = _inner_op(n)[0] or n.target
+    if config.fallback_random and op in extra_random_decomps:
+        return False
     return op in lowerings and op not in fallbacks and not str(op).startswith(EXTERN)
 
 

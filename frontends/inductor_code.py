@@ -12,10 +12,13 @@ code of a few statement shapes, which this module follows statement by statement
   allocator's 512-byte blocks);
 * ``bufM = bufN; del bufN  # reuse`` and ``bufM = reinterpret_tensor(bufN, ...)``: another name
   for the same storage (a reuse, or a view);
-* ``bufN = extern_kernels.f(...)`` / ``bufN = torch.ops.aten.f.default(...)``: a kernel that
-  allocates its result, sized by the ``assert_size_stride(bufN, size, stride)`` inductor writes
-  after it; a result that is a tuple is taken apart by ``bufK = bufN[i]`` (each part a storage,
-  sized by its own assertion, alive while either name is);
+* ``bufN = extern_kernels.f(...)`` / ``bufN = torch.ops.aten.f.default(...)`` (or a random op
+  run through ``torch.ops.higher_order.run_and_save_rng_state`` / ``run_with_rng_state``): a
+  kernel that allocates its result, sized by the ``assert_size_stride(bufN, size, stride)``
+  inductor writes after it; a result that is a tuple is taken apart by ``bufK = bufN[i]`` (or
+  ``bufN[i][j]``: each part a storage, sized by its own assertion, alive while either name is).
+  All of a kernel's results are allocated where it runs, with its inputs alive (the code drops
+  those before it takes the results apart); a part the code never names is not counted;
 * ``del a, b``: names dropped; a storage is freed when no name holds it and the caller does not
   (`CodeRun`'s ``pinned``), as the generated code frees it once its last reader has run;
 * ``return (...)``: what the graph hands on (the forward: its results, then what it saves for
@@ -23,8 +26,8 @@ code of a few statement shapes, which this module follows statement by statement
 
 Kernels it calls (``cpp_fused_*``, ``triton_*``, ``extern_kernels.mm(..., out=buf)``) allocate
 nothing beyond what their statements name, except an ATen kernel's own temporaries (a
-convolution's unfolded input): `step_bytes` adds the scratch the caller knows for the fx ops
-that the statement's "Topologically Sorted Source Nodes" comment names.  A statement of another
+convolution's unfolded input, a dropout's random draw): `step_bytes` adds the scratch the
+caller knows for the fx ops that the statement's "Source Nodes" comment names.  A statement of another
 shape that binds a name raises `UnreadableCode`, so a reading is exact or refused, never a guess.
 """
 from __future__ import annotations
@@ -44,7 +47,7 @@ ITEMSIZE = {name: torch.empty((), dtype=getattr(torch, name)).element_size()
             for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8",
                          "bool", "complex64", "float8_e4m3fn", "float8_e5m2")}
 _FRESH = itertools.count()
-SOURCES = re.compile(r"#\s*Topologically Sorted Source Nodes:\s*\[([^\]]*)\]")
+SOURCES = re.compile(r"#\s*(?:Topologically Sorted|Unsorted) Source Nodes:\s*\[([^\]]*)\]")
 
 
 class UnreadableCode(Exception):
@@ -111,19 +114,55 @@ def _base(node: ast.AST) -> str | None:
     return None
 
 
+def _tuple(node: ast.AST) -> str | None:
+    """The name a part of a tuple result is taken from: ``buf7`` of ``buf7[1][0]``."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return _name(node)
+
+
+def _kernel(call: ast.Call) -> str:
+    """The ATen op a kernel statement runs: ``mm`` of ``extern_kernels.mm(...)``,
+    ``convolution_backward`` of ``torch.ops.aten.convolution_backward.default(...)``, the op a
+    higher-order op is handed (``native_dropout`` of ``run_with_rng_state(state,
+    torch.ops.aten.native_dropout.default, ...)``)."""
+    parts = ast.unparse(call.func).split(".")
+    if parts[:3] == ["torch", "ops", "higher_order"]:
+        op = next((a for a in call.args if ast.unparse(a).startswith("torch.ops.aten.")), None)
+        return _kernel(ast.Call(func=op, args=[], keywords=[])) if op is not None else parts[-1]
+    if parts[:3] == ["torch", "ops", "aten"] and len(parts) > 3:
+        return parts[3]
+    return parts[-1]
+
+
+def _path(node: ast.AST) -> tuple:
+    """The indices of a part of a tuple result: ``(1, 0)`` for ``buf7[1][0]``."""
+    out = []
+    while isinstance(node, ast.Subscript):
+        out.append(ast.literal_eval(node.slice))
+        node = node.value
+    return tuple(reversed(out))
+
+
 def follow(source: str, device: torch.device, keys: Callable[[list], list], pinned: set = frozenset(),
-           itemsize: Callable[[list, list], "int | None"] = lambda names, size: None,
+           itemsize: Callable[[list, list, tuple, str], "int | None"] = lambda names, size, path, kernel: None,
            input_itemsize: Callable[[str], "int | None"] = lambda name: None,
-           scratch: Callable[[list], int] = lambda names: 0) -> CodeRun:
+           scratch: Callable[[list, str], int] = lambda names, kernel: 0) -> CodeRun:
     """Follow ``call`` in `source` (module docstring).
 
     `keys(inputs)`: per input name (in order; called once the names are read), its storage key
     and, for an input whose bytes count, its bytes (None: not counted, a parameter say); `pinned`:
-    keys the caller holds (never freed here); `itemsize(names, size)`: the element size of an
-    allocating kernel's result (the fx ops its comment names, the result's size), or None: then
+    keys the caller holds (never freed here); `itemsize(names, size, path, kernel)`: the element
+    size of an allocating kernel's result (the fx ops its comment names, the result's size, for a
+    part of a tuple result its indices, ``(1, 0)`` for ``buf7[1][0]``, else ``()``, and the ATen
+    op it runs, as `scratch`'s), or None: then
     that of the kernel's first argument (an ATen kernel's result has its input's dtype: a matrix
-    product's, a convolution's and its backward's), `input_itemsize(name)` for an input;
-    `scratch(names)`: the bytes an ATen kernel allocates inside itself for those fx ops.  The
+    product's, a convolution's and its backward's; a random op run again from a generator state,
+    ``run_with_rng_state(state, op, x, ...)``, its first after the state), `input_itemsize(name)`
+    for an input;
+    `scratch(names, kernel)`: the bytes an ATen kernel allocates inside itself for those fx ops
+    (`kernel`: the ATen op it runs, ``"convolution"`` for ``extern_kernels.convolution``, the
+    random op a generator state runs again, where the ops named are more).  The
     storages the code allocates count, and the counted inputs until the code drops their last
     name (unless pinned)."""
     body = _call_body(source)
@@ -133,11 +172,19 @@ def follow(source: str, device: torch.device, keys: Callable[[list], list], pinn
     live: dict = {}        # counted storage key -> bytes
     run = CodeRun(inputs=[])
     sizes = run.sizes
-    pending: dict = {}     # name -> (the fx ops of the kernel whose result it is, its first argument's
-    #                        element size), until its assertion sizes it
     elem: dict = {}        # name -> element size
-    whole: dict = {}       # a part's name -> the name of the tuple it was taken from
-    tuples: dict = {}      # a tuple result's name -> the fx ops of its kernel
+    # (first, what the code asserts of each name, and which names are parts of which tuple
+    # result: a kernel's results are allocated where it runs, with its inputs alive, so their
+    # sizes are needed before the statements that take them apart and assert them)
+    asserted: dict = {}    # name -> (size, stride) of its first assertion
+    parts: dict = {}       # a tuple result's name -> [(a part's name, its indices)]
+    for st in body:
+        if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) \
+                and ast.unparse(st.value.func) == "assert_size_stride" and _name(st.value.args[0]) is not None:
+            asserted.setdefault(_name(st.value.args[0]), (_ints(st.value.args[1]), _ints(st.value.args[2])))
+        elif isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) \
+                and isinstance(st.value, ast.Subscript) and _tuple(st.value) is not None:
+            parts.setdefault(_tuple(st.value), []).append((st.targets[0].id, _path(st.value)))
 
     def bind(name: str, ks: list) -> None:
         drop(name)
@@ -159,11 +206,10 @@ def follow(source: str, device: torch.device, keys: Callable[[list], list], pinn
         if now > run.peak_bytes:
             run.peak_bytes, run.peak_line, run.peak_live = now, line.strip(), dict(live)
 
-    def allocate(name: str, nbytes: int, line: str, extra: int = 0) -> None:
+    def storage(nbytes: int) -> tuple:
         k = ("code", next(_FRESH))   # (unique across calls: a forward's storages go on in its backward)
         sizes[k] = live[k] = nbytes
-        bind(name, [k])
-        note(line, extra)
+        return k
 
     def ops_above(lineno: int) -> list:
         """The fx ops the comments just above a statement name."""
@@ -171,7 +217,7 @@ def follow(source: str, device: torch.device, keys: Callable[[list], list], pinn
         while i >= 0 and lines[i].strip().startswith("#"):
             m = SOURCES.search(lines[i])
             if m:
-                return [s.strip() for s in m.group(1).split(",")]
+                return [s.strip() for s in m.group(1).split(",") if s.strip()]
             i -= 1
         return []
 
@@ -195,55 +241,49 @@ def follow(source: str, device: torch.device, keys: Callable[[list], list], pinn
             func = ast.unparse(value.func) if isinstance(value, ast.Call) else ""
             if func.startswith("empty_strided_"):
                 size, stride, elem[target] = _ints(value.args[0]), _ints(value.args[1]), _dtype_size(value.args[2])
-                allocate(target, block_bytes(extent_bytes(size, stride, elem[target]), device), text)
+                bind(target, [storage(block_bytes(extent_bytes(size, stride, elem[target]), device))])
+                note(text)
             elif _base(value) is not None and _base(value) in owner:
-                if _base(value) in pending:
-                    raise UnreadableCode(f"{_base(value)} read before its size is asserted: {text.strip()}")
                 bind(target, owner[_base(value)])
                 elem[target] = elem.get(_base(value))
             elif func.startswith(("extern_kernels.", "torch.ops.")):
-                first = next((elem.get(_base(a)) for a in value.args if _base(a) in owner), None)
-                pending[target] = (ops_above(st.lineno), first)
-                bind(target, [])
-            elif isinstance(value, ast.Subscript) and (_name(value.value) in pending or _name(value.value) in tuples):
-                tup = _name(value.value)   # (a tuple result: its parts are the storages)
-                if tup in pending:
-                    tuples[tup] = pending.pop(tup)
-                pending[target] = tuples[tup]
-                whole[target] = tup
-                bind(target, [])
+                # (a kernel that allocates its result, or a tuple of them: each sized by its assertion)
+                args = value.args[1:] if func.endswith("run_with_rng_state") else value.args
+                first = next((elem.get(_base(a)) for a in args if _base(a) in owner), None)
+                ops, kernel = ops_above(st.lineno), _kernel(value)
+                results = parts.get(target, [(target, ())])
+                if any(name not in asserted for name, _ in results):
+                    raise UnreadableCode(f"a kernel's result whose size is never asserted: {text.strip()}")
+                ks = []
+                for name, path in results:
+                    size, stride = asserted[name]
+                    # (``run_and_save_rng_state``'s first part is the generator's state: bytes)
+                    state = func.endswith("run_and_save_rng_state") and path == (0,)
+                    elem[name] = 1 if state else itemsize(ops, size, path, kernel) or first
+                    if elem[name] is None:
+                        raise UnreadableCode(f"the dtype of {name}: {text.strip()}")
+                    ks.append(storage(block_bytes(extent_bytes(size, stride, elem[name]), device)))
+                    if name != target:
+                        bind(name, [ks[-1]])
+                bind(target, ks)   # (a tuple's name holds every part)
+                note(text, scratch(ops, kernel))
+            elif isinstance(value, ast.Subscript) and _tuple(value) in owner:
+                pass   # (a part of a tuple result: bound where its kernel ran)
             else:
                 raise UnreadableCode(text.strip())
             continue
         if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call):
             func = ast.unparse(st.value.func)
-            if func == "assert_size_stride" and _name(st.value.args[0]) in pending:
-                name = _name(st.value.args[0])
-                size, stride = _ints(st.value.args[1]), _ints(st.value.args[2])
-                ops, first = pending.pop(name)
-                elem[name] = itemsize(ops, size) or first
-                if elem[name] is None:
-                    raise UnreadableCode(f"the dtype of {name}: {text.strip()}")
-                allocate(name, block_bytes(extent_bytes(size, stride, elem[name]), device), text, scratch(ops))
-                if name in whole:   # (a part of a tuple result: alive while the tuple's name is too)
-                    tup = whole.pop(name)
-                    for k in owner[name]:
-                        holders[k].add(tup)
-                    owner.setdefault(tup, []).extend(owner[name])
-            elif func.startswith(("extern_kernels.", "torch.ops.")):
-                note(text, scratch(ops_above(st.lineno)))
+            if func.startswith(("extern_kernels.", "torch.ops.")):
+                note(text, scratch(ops_above(st.lineno), _kernel(st.value)))
             continue
         if isinstance(st, ast.Delete):
             for t in st.targets:
                 for n in (t.elts if isinstance(t, ast.Tuple) else [t]):
-                    if _name(n) in pending:
-                        raise UnreadableCode(f"{_name(n)}: a kernel's result whose size is never asserted")
                     if _name(n) is not None:
                         drop(_name(n))
             continue
         if isinstance(st, ast.Return):
-            if pending:
-                raise UnreadableCode(f"results whose size is never asserted: {sorted(pending)}")
             vals = st.value.elts if isinstance(st.value, ast.Tuple) else [st.value]
             for v in vals:
                 b = _base(v)
@@ -265,9 +305,9 @@ class CodePeaks:
 
 def step_bytes(forward: str, backward: str, num_fwd_outputs: int, device: torch.device,
                fixed: Callable[[list], list], tangent_bytes: Callable[[str], int], held_tangents: set = frozenset(),
-               itemsize: Callable[[str, list, list], "int | None"] = lambda graph, names, size: None,
+               itemsize: Callable[[str, list, list, tuple, str], "int | None"] = lambda graph, names, size, path, kernel: None,
                input_itemsize: Callable[[str, str], "int | None"] = lambda graph, name: None,
-               scratch: Callable[[str, list], int] = lambda graph, names: 0) -> CodePeaks:
+               scratch: Callable[[str, list, str], int] = lambda graph, names, kernel: 0) -> CodePeaks:
     """A region's forward and backward as their generated code runs them.
 
     The forward: its inputs (`fixed(names)`: their storage keys; the parameters, buffers and

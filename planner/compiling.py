@@ -26,7 +26,9 @@ inductor generated from the partitioner's graphs (`RematCompiler.code_program`,
 layers, its reordering; per graph the larger of its reading and the replay's); the replay of the
 graphs stays as `Region.replay`.  Where that is over the region's budget, the region is planned
 again under the budget by the excess (and by at least what the code held over the plan's
-replay) and compiled again (`CODE_TRIES` compiles at most, then `InfeasibleBudgetError`).
+replay) and compiled again; where a compile fits after one that did not but leaves more than
+`SLACK` of the budget unused, once more between the two; the fastest compile that fits is kept
+(`CODE_TRIES` compiles at most; none fitting: `InfeasibleBudgetError`).
 
 Code outside the regions.  A region whose results (wanting a gradient, not a scalar) no later
 region takes is read by the caller's own code, a loss computed eagerly on the logits, say, whose
@@ -36,8 +38,9 @@ of `RematCompiler.report`; `read_outside` holds those regions).
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,7 +64,8 @@ log = logging.getLogger("remat.compiled")
 
 
 TRIES = 4   # plans per region until the partitioner's graphs fit the budget
-CODE_TRIES = 3   # inductor compiles per region until its generated code fits the budget
+CODE_TRIES = 3   # inductor compiles per region, searching for the fastest whose generated code fits the budget
+SLACK = 0.01     # the part of the budget a fitting compile may leave unused before a compile nearer the budget is tried
 # activation_memory_budget values whose sets (what PyTorch's partitioner recomputes: at 1, its
 # default min cut; below, its knapsack) the plan's search also fits from (`knapsack_sets`)
 KNAPSACK = (1.0, 0.9, 0.7, 0.5, 0.3)
@@ -87,6 +91,9 @@ class Region:
     # with inductor: the replay of the partitioner's graphs, where `program` is read off the code
     # inductor generated from them (`RematCompiler.code_program`)
     replay: Program | None = None
+    # with inductor: each compile of the region, in order (`RematCompiler._inductor`): the cut
+    # (bytes its plan was made under the budget), its code's peak, its replay's peak, its time
+    compiles: list = field(default_factory=list)
 
     def step_peak(self, later: list) -> int:
         """Its peak within the step, given the `later` regions that run while it is active: what
@@ -342,6 +349,11 @@ class RematCompiler:
                 p = make_plan(jg.graph, target, self.solver, swap=False, time_limit=self.time_limit,
                               executor="compiled", starts=starts, **self.options)
             except InfeasibleBudgetError as e:
+                floor = e.min_feasible_bytes or 0
+                if not tries and target < floor <= budget:
+                    # (under a cut, below the lowest plan there is: that plan, whose code decides)
+                    target = floor
+                    continue
                 if not tries:
                     if held:
                         # (a reserve r keeps the first region's peak, which holds what this region
@@ -432,13 +444,22 @@ class RematCompiler:
 
     def _inductor(self, gm: fx.GraphModule, example_inputs: list):
         """Compile with inductor, then read the region's peaks off the code it generated
-        (`code_program`); where that code is over the region's budget, plan again under it by
-        the excess (and by at least what the code held over the plan's replay) and compile again
-        (up to `CODE_TRIES` compiles)."""
+        (`code_program`) and search the cut (bytes the plan is made under the region's budget)
+        for the fastest compile whose code fits, up to `CODE_TRIES` compiles: where a code is
+        over the budget, plan again under it by the excess (and by at least what the code held
+        over the plan's replay), or between the cuts known over and under; where a code fits
+        after one over it but leaves more than `SLACK` of the budget unused, plan again between
+        the two cuts (interpolated on their codes' peaks).  The compile kept is the fitting one
+        of least predicted time (`Region.compiles` lists them all)."""
         import torch._functorch.config as functorch_config
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
         n, cut = len(self.regions), 0
-        for attempt in range(CODE_TRIES):
+        over_at: tuple | None = None    # (cut, bytes over the budget) of the highest cut found over
+        under_at: tuple | None = None   # (cut, bytes under it) of the lowest cut found to fit
+        best: tuple | None = None       # (compiled, region) that fits, of least predicted time
+        last: tuple = ()
+        compiles: list = []
+        for _ in range(CODE_TRIES):
             codes: dict = {}
 
             def inner(g, inputs, *args, **kwargs):
@@ -455,26 +476,47 @@ class RematCompiler:
             self._cut = 0
             if len(self.regions) == n:   # (no joint graph planned: an inference graph)
                 return compiled
-            region = self.regions[-1]
-            code = self.code_program(region, codes)
-            if code is None:
+            code = self.code_program(self.regions[-1], codes)
+            if code is None:   # (the replay stands)
                 return compiled
+            region = self.regions.pop()
             region.replay, region.program = region.program, code
-            if code.peak_bytes <= region.budget_bytes or attempt == CODE_TRIES - 1:
-                break
-            over = code.peak_bytes - region.budget_bytes
-            # (lower by the excess, and by at least what the code held over this plan's replay:
-            # a plan whose replay lies under its target by some slack must not spend it again)
-            cut = max(cut + over, code.peak_bytes - region.replay.peak_bytes)
-            log.info("remat.compiler: region %d: inductor's code peaks at %d bytes, %d over its budget: planning "
-                     "again %d bytes under it", n, code.peak_bytes, over, cut)
-            self.regions.pop()
-        if region.program.peak_bytes > region.budget_bytes:
+            compiles.append({"cut_bytes": cut, "peak_bytes": code.peak_bytes, "replay_peak_bytes": region.replay.peak_bytes,
+                             "time": code.time, "recomputed_ops": len(region.recomputed_ops)})
+            region.compiles = compiles
+            last = (compiled, region)
+            gap = region.budget_bytes - code.peak_bytes
+            if gap >= 0:
+                if best is None or code.time < best[1].program.time:
+                    best = last
+                under_at = (cut, gap) if under_at is None or cut < under_at[0] else under_at
+                if over_at is None or gap <= SLACK * region.budget_bytes:
+                    break   # (at the budget itself, or close enough under it)
+            else:
+                over_at = (cut, -gap) if over_at is None or cut > over_at[0] else over_at
+            if under_at is None:
+                # (lower by the excess, and by at least what the code held over this plan's replay:
+                # a plan whose replay lies under its target by some slack must not spend it again)
+                cut = max(cut + over_at[1], code.peak_bytes - region.replay.peak_bytes)
+            else:   # (between the cut over and the cut under, where the line through their codes meets the budget)
+                (c0, b0), (c1, b1) = over_at, under_at
+                cut = c0 + (c1 - c0) * b0 // (b0 + b1)
+                if not c0 < cut < c1:
+                    break
+            log.info("remat.compiler: region %d: inductor's code peaks at %d bytes, budget %d: planning again %d bytes "
+                     "under it", n, code.peak_bytes, region.budget_bytes, cut)
+        if best is None:
+            region = last[1]
             raise InfeasibleBudgetError(
                 f"remat.compiler: inductor's code for region {n} peaks at {format_bytes_exact(region.program.peak_bytes)}, "
-                f"over its budget {format_bytes_exact(region.budget_bytes)}, after {CODE_TRIES} plans each lower by "
+                f"over its budget {format_bytes_exact(region.budget_bytes)}, after {len(compiles)} plans each lower by "
                 "what the code held over the last: raise the budget", budget_bytes=region.budget_bytes,
                 min_feasible_bytes=region.program.peak_bytes)
+        compiled, region = best
+        self.regions.append(region)
+        if len(compiles) > 1:
+            log.info("remat.compiler: region %d: kept the compile %d bytes under the budget (%d ops recomputed) of %d",
+                     n, region.budget_bytes - region.program.peak_bytes, len(region.recomputed_ops), len(compiles))
         return compiled
 
     def code_program(self, region: Region, codes: dict) -> Program | None:
@@ -486,24 +528,57 @@ class RematCompiler:
         if not codes.get("forward") or not codes.get("backward"):
             log.info("remat.compiler: inductor's code was not handed back; the region's peak is the replay's")
             return None
-        nodes = {"forward": {n.name: n for n in fw.graph.nodes}, "backward": {n.name: n for n in bw.graph.nodes}}
+        # (inductor's comments name a node by the node it was made from, where it has one -- the
+        # forward's by the names of the graph dynamo captured -- else by its own name)
+        nodes: dict = {"forward": {}, "backward": {}}
+        graphs = {"forward": list(fw.graph.nodes), "backward": list(bw.graph.nodes)}
+        for which, g in (("forward", fw), ("backward", bw)):
+            for n in g.graph.nodes:
+                for k in {n.name, *([n.meta["from_node"][0].name] if n.meta.get("from_node") else [])}:
+                    nodes[which].setdefault(k, []).append(n)
 
         def tensors(n: fx.Node) -> list:
             return [t for t in tree_flatten(n.meta.get("val"))[0] if isinstance(t, torch.Tensor)]
 
         def named(which: str, names: list) -> list:
-            return [nodes[which][k] for k in names if k in nodes[which]]
+            return list({id(v): v for k in names for v in nodes[which].get(k, ())}.values())
 
-        def itemsize(which: str, names: list, size: list) -> int | None:
-            exact = [t for v in named(which, names) for t in tensors(v) if list(t.shape) == list(size)]
-            return exact[-1].element_size() if exact else None
+        def part(v: fx.Node, path: tuple) -> Any:
+            # (an op whose value is its ``getitem`` readers', a ``run_with_rng_state``'s)
+            val = v.meta.get("val")
+            if val is None and path:
+                u = next((u for u in v.users if u.target is operator.getitem and u.args[1] == path[0]), None)
+                return part(u, path[1:]) if u is not None else None
+            for i in path:
+                val = val[i] if isinstance(val, (tuple, list)) and isinstance(i, int) and -len(val) <= i < len(val) else None
+            return val
+
+        def runs(which: str, kernel: str) -> list:
+            return [v for v in graphs[which] if v.op == "call_function" and _aten_op(v) == kernel]
+
+        def itemsize(which: str, names: list, size: list, path: tuple = (), kernel: str = "") -> int | None:
+            # (a part of a tuple result by its indices in the op's value -- a dropout's output and
+            # its mask have one size and two dtypes -- else the op's last value of that size; the
+            # ops named first, then the graph's ops that run the statement's kernel: a statement's
+            # comment may name only the ops fused before it, or none)
+            fits = lambda t: isinstance(t, torch.Tensor) and list(t.shape) == list(size)  # noqa: E731
+            places = (named(which, names), runs(which, kernel))
+            for exact in ([[t for v in ops if fits(t := part(v, path))] for ops in places] if path else []) + \
+                    [[t for v in ops for t in tensors(v) if fits(t)] for ops in places]:
+                if exact:
+                    return exact[-1].element_size()
+            return None
 
         def input_itemsize(which: str, name: str) -> int | None:
             ts = [t for v in named(which, [name]) for t in tensors(v)]
             return ts[0].element_size() if ts else None
 
-        def scratch(which: str, names: list) -> int:
-            return max((times.scratch(v) for v in named(which, names) if v.op == "call_function"), default=0)
+        def scratch(which: str, names: list, kernel: str) -> int:
+            # (the ops named that the statement's kernel runs, where there are such: a name of the
+            # graph dynamo captured stands for all the ops made of it, an attention's, say)
+            ops = [v for v in named(which, names) if v.op == "call_function"]
+            same = [v for v in ops if _aten_op(v) == kernel] or runs(which, kernel)
+            return max((times.scratch(v) for v in same or ops), default=0)
         tangents = {n.name: tensors(n) for n in bw.graph.nodes if n.op == "placeholder"}
         # (a scalar's gradient, a loss's: ``backward()`` holds it to the backward's end)
         roots = {k for k, ts in tangents.items() if ts and all(t.numel() == 1 for t in ts)}
@@ -543,6 +618,14 @@ class RematCompiler:
                          "regions before it hold, and the later regions' parameters and gradients)")
         lines += [self._outside_line(k) for k in sorted(self.read_outside)]
         return "\n".join(lines) or "no region compiled yet"
+
+
+def _aten_op(n: fx.Node) -> str | None:
+    """The ATen op an fx node runs (``convolution_backward``), or that a higher-order op it runs
+    is handed (``native_dropout`` of ``run_with_rng_state(state, aten.native_dropout, ...)``)."""
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target._opname
+    return next((a._opname for a in n.args if isinstance(a, torch._ops.OpOverload)), None)
 
 
 def _partitioner(owner: RematCompiler):

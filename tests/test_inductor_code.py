@@ -60,12 +60,13 @@ def test_extent_of_a_strided_tensor():
 
 def test_the_forward_is_its_buffers_and_what_it_returns():
     run = follow(FORWARD, CPU, lambda names: [(("fixed", n), None) for n in names],
-                 input_itemsize=lambda name: 4, scratch=lambda ops: 100 if ops == ["conv"] else 0)
+                 input_itemsize=lambda name: 4,
+                 scratch=lambda ops, kernel: 100 if ops == ["conv"] and kernel == "convolution" else 0)
     f32, b = 8 * 16 * 4, 8 * 16
     conv = extent_bytes([2, 4, 4, 4], [64, 1, 16, 4], 4)
     # at the convolution: buf0 (reused as buf3), buf1, buf2, its result and its scratch
     assert run.peak_bytes == f32 + b + f32 + conv + 100
-    assert run.peak_line.startswith("assert_size_stride(buf4")
+    assert run.peak_line.startswith("buf4 = extern_kernels.convolution")
     assert run.inputs == ["primals_1", "primals_2"]
     assert run.returned[3] == ("fixed", "primals_2")
     assert len({k for k in run.returned[:3]}) == 3 and all(k[0] == "code" for k in run.returned[:3])
@@ -98,3 +99,47 @@ def test_a_statement_of_another_shape_is_refused():
                               "'torch.ops.aten.convolution.default')\n", "")
     with pytest.raises(UnreadableCode, match="buf4"):
         follow(unsized, CPU, lambda names: [(n, None) for n in names])
+
+
+RANDOM = '''
+def call(args):
+    primals_1, = args
+    args.clear()
+    buf0 = empty_strided_cpu((8, 16), (16, 1), torch.float32)
+    cpp_fused_gelu_0(primals_1, buf0)
+    # Unsorted Source Nodes: [drop], Original ATen: [aten.native_dropout]
+    buf1 = torch.ops.higher_order.run_and_save_rng_state(torch.ops.aten.native_dropout.default, buf0, 0.1, True)
+    del buf0
+    buf2 = buf1[0]
+    assert_size_stride(buf2, (5056, ), (1, ), 'torch.ops.run_and_save_rng_state')
+    buf3 = buf1[1][0]
+    assert_size_stride(buf3, (8, 16), (16, 1), 'torch.ops.run_and_save_rng_state')
+    buf4 = buf1[1][1]
+    assert_size_stride(buf4, (8, 16), (16, 1), 'torch.ops.run_and_save_rng_state')
+    del buf1
+    del buf4
+    return (buf3, buf2, )
+'''
+
+
+def test_a_kernels_tuple_result_is_allocated_where_it_runs_with_its_input_alive():
+    """A random op run through ``run_and_save_rng_state`` (inductor under ``fallback_random``):
+    its result, (generator state, (output, mask)), is taken apart after the code drops the op's
+    input, but all of it, with the op's scratch, was allocated while the kernel ran with that
+    input; the state is bytes, each part's dtype comes by its indices."""
+    seen = []
+
+    def itemsize(names, size, path, kernel):
+        seen.append((tuple(names), path, kernel))
+        return {(1, 0): 4, (1, 1): 1}.get(path)
+    run = follow(RANDOM, CPU, lambda names: [(("fixed", n), None) for n in names], itemsize=itemsize,
+                 input_itemsize=lambda name: 4,
+                 scratch=lambda ops, kernel: 512 if (ops, kernel) == (["drop"], "native_dropout") else 0)
+    f32, mask, state = 8 * 16 * 4, 8 * 16, 5056
+    # (input, state, output, mask and the op's float draw, at once)
+    assert run.peak_bytes == f32 + state + f32 + mask + 512
+    assert run.peak_line.startswith("buf1 = torch.ops.higher_order.run_and_save_rng_state")
+    assert ((("drop",), (1, 1), "native_dropout")) in seen and all(path != (0,) for _, path, _ in seen)
+    assert run.sizes[run.returned[0]] == f32 and run.sizes[run.returned[1]] == state
+    # (at the end: what it returns; the input and the mask are gone)
+    assert run.trace[-1][0] <= run.peak_bytes and len(run.returned) == 2
