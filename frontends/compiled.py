@@ -1025,7 +1025,11 @@ def knapsack_sets(gm: fx.GraphModule, joint_inputs: Any, jg: JointGraph, budgets
     search may not reach."""
     import torch._functorch.config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    ids = {n.name: v.id for v, members in zip(jg.graph.nodes, jg.members) if v.kind == "forward" for n in members}
+    # (a node of `jg` is recomputed where the backward runs its ops again, its views aside: the
+    # backward re-takes a view of a saved value -- a matrix product's reshape -- under the view's
+    # name, which does not recompute the product the node is made of)
+    ops = [(v.id, [n.name for n in members if not is_alias(n)] or [n.name for n in members])
+           for v, members in zip(jg.graph.nodes, jg.members) if v.kind == "forward"]
     graph, sets = gm.graph, []
     for b in budgets:
         try:
@@ -1036,7 +1040,8 @@ def knapsack_sets(gm: fx.GraphModule, joint_inputs: Any, jg: JointGraph, budgets
             continue
         finally:
             gm.graph = graph
-        sets.append({ids[n.name] for n in bw.graph.nodes if n.op == "call_function" and n.name in ids})
+        again = {n.name for n in bw.graph.nodes if n.op == "call_function"}
+        sets.append({v for v, names in ops if names and all(k in again for k in names)})
     return sets
 
 
