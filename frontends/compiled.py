@@ -281,6 +281,14 @@ CONVOLUTIONS = ("aten.convolution.", "aten.convolution_backward.")
 EXTERN = CONVOLUTIONS + ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._int_mm.")
 
 
+def aten_op(n: fx.Node) -> str | None:
+    """The name of the ATen op fx node `n` runs (``convolution_backward``), through a
+    random-state wrapper too (``native_dropout`` of ``run_with_rng_state(state,
+    aten.native_dropout, ...)``); None for a node that runs none."""
+    op = _inner_op(n)[0]
+    return op._opname if op is not None else None
+
+
 def inductor_generates(n: fx.Node) -> bool:
     """Inductor compiles fx op `n` into a kernel of its own: the op has a lowering that is not a
     fallback to ATen and not a call of an external kernel (`EXTERN`).  A random op run through a

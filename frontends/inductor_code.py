@@ -267,8 +267,8 @@ def follow(source: str, device: torch.device, keys: Callable[[list], list], pinn
                         bind(name, [ks[-1]])
                 bind(target, ks)   # (a tuple's name holds every part)
                 note(text, scratch(ops, kernel))
-            elif isinstance(value, ast.Subscript) and _tuple(value) in owner:
-                pass   # (a part of a tuple result: bound where its kernel ran)
+            elif isinstance(value, ast.Subscript) and _tuple(value) in owner and target in owner:
+                pass   # (a part of a kernel's tuple result: bound where the kernel ran)
             else:
                 raise UnreadableCode(text.strip())
             continue

@@ -51,8 +51,8 @@ from remat.core.compiled import program as compiled_program
 from remat.core.errors import InfeasibleBudgetError, InvalidInputError
 from remat.core.graph import Graph
 from remat.core.units import format_bytes_exact
-from remat.frontends.compiled import (BACKENDS, OpTimes, Program, inductor_channels_last, joint_graph, knapsack_sets,
-                                     layout_copies, program, region_device, tag)
+from remat.frontends.compiled import (BACKENDS, OpTimes, Program, aten_op, inductor_channels_last, joint_graph,
+                                     knapsack_sets, layout_copies, program, region_device, tag)
 from remat.frontends.inductor_code import UnreadableCode, step_bytes
 from remat.frontends.measuring import storage_key
 from remat.frontends.profile import FlopsModel
@@ -532,8 +532,8 @@ class RematCompiler:
         # forward's by the names of the graph dynamo captured -- else by its own name)
         nodes: dict = {"forward": {}, "backward": {}}
         graphs = {"forward": list(fw.graph.nodes), "backward": list(bw.graph.nodes)}
-        for which, g in (("forward", fw), ("backward", bw)):
-            for n in g.graph.nodes:
+        for which, g in graphs.items():
+            for n in g:
                 for k in {n.name, *([n.meta["from_node"][0].name] if n.meta.get("from_node") else [])}:
                     nodes[which].setdefault(k, []).append(n)
 
@@ -554,7 +554,7 @@ class RematCompiler:
             return val
 
         def runs(which: str, kernel: str) -> list:
-            return [v for v in graphs[which] if v.op == "call_function" and _aten_op(v) == kernel]
+            return [v for v in graphs[which] if v.op == "call_function" and aten_op(v) == kernel]
 
         def itemsize(which: str, names: list, size: list, path: tuple = (), kernel: str = "") -> int | None:
             # (a part of a tuple result by its indices in the op's value -- a dropout's output and
@@ -577,7 +577,7 @@ class RematCompiler:
             # (the ops named that the statement's kernel runs, where there are such: a name of the
             # graph dynamo captured stands for all the ops made of it, an attention's, say)
             ops = [v for v in named(which, names) if v.op == "call_function"]
-            same = [v for v in ops if _aten_op(v) == kernel] or runs(which, kernel)
+            same = [v for v in ops if aten_op(v) == kernel] or runs(which, kernel)
             return max((times.scratch(v) for v in same or ops), default=0)
         tangents = {n.name: tensors(n) for n in bw.graph.nodes if n.op == "placeholder"}
         # (a scalar's gradient, a loss's: ``backward()`` holds it to the backward's end)
@@ -618,14 +618,6 @@ class RematCompiler:
                          "regions before it hold, and the later regions' parameters and gradients)")
         lines += [self._outside_line(k) for k in sorted(self.read_outside)]
         return "\n".join(lines) or "no region compiled yet"
-
-
-def _aten_op(n: fx.Node) -> str | None:
-    """The ATen op an fx node runs (``convolution_backward``), or that a higher-order op it runs
-    is handed (``native_dropout`` of ``run_with_rng_state(state, aten.native_dropout, ...)``)."""
-    if isinstance(n.target, torch._ops.OpOverload):
-        return n.target._opname
-    return next((a._opname for a in n.args if isinstance(a, torch._ops.OpOverload)), None)
 
 
 def _partitioner(owner: RematCompiler):

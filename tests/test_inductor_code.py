@@ -95,6 +95,10 @@ def test_a_statement_of_another_shape_is_refused():
     odd = FORWARD.replace("buf5 = empty_strided_cpu((8, 8), (8, 1), torch.float32)", "buf5 = make_buffer(8)")
     with pytest.raises(UnreadableCode, match="make_buffer"):
         follow(odd, CPU, lambda names: [(n, None) for n in names])
+    # (an index into what is no kernel's tuple result)
+    indexed = FORWARD.replace("buf5 = empty_strided_cpu((8, 8), (8, 1), torch.float32)", "buf5 = primals_1[0]")
+    with pytest.raises(UnreadableCode, match=r"primals_1\[0\]"):
+        follow(indexed, CPU, lambda names: [(n, None) for n in names])
     unsized = FORWARD.replace("        assert_size_stride(buf4, (2, 4, 4, 4), (64, 1, 16, 4), "
                               "'torch.ops.aten.convolution.default')\n", "")
     with pytest.raises(UnreadableCode, match="buf4"):
