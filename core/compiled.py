@@ -50,7 +50,9 @@ def recomputed_of(graph: Graph, schedule: Schedule) -> set[int]:
 
 
 def pinned(graph: Graph) -> set[int]:
-    """Forward nodes that cannot be recomputed: those the region returns (``extra["returned"]``)
+    """Forward nodes that cannot be recomputed: those the region returns (``extra["returned"]``:
+    kept to the step's end, or with ``extra["dropped"]`` freed after their last reader, the loss
+    node the latest: the caller drops them once its loss is computed)
     and those the backend always makes in the forward and saves (``extra["always_saved"]``: its
     copies of the graph's inputs)."""
     return with_parts(graph, {v.id for v in graph.nodes if v.kind == "forward"
@@ -164,7 +166,7 @@ def compiled_schedule(graph: Graph, recompute: set[int]) -> Schedule:
         instances.append((v, k, k))
     free_after: dict[int, list[int]] = {}
     for v, start, end in instances:
-        if nodes[v].extra.get("returned"):
+        if nodes[v].extra.get("returned") and not nodes[v].extra.get("dropped"):
             continue
         free_after.setdefault(end, []).append(v)
     # (a node the backend may write into the buffer of an input its kernel reads last, of its

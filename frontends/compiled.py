@@ -579,7 +579,8 @@ def inductor_channels_last(gm: fx.GraphModule) -> bool:
 
 
 def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
-                times: OpTimes | None = None, copies: dict | None = None, buffers: bool = False) -> JointGraph:
+                times: OpTimes | None = None, copies: dict | None = None, buffers: bool = False,
+                keep_outputs: bool = True) -> JointGraph:
     """The remat graph of AOTAutograd joint graph `gm` (module docstring, step 1); node times
     from `times` (default: measured on the region's device).  `copies` (storage key -> bytes:
     the backend's copies of the graph's inputs, `layout_copies`): each is a forward node of its
@@ -589,7 +590,11 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
     backward op that writes into an argument's buffer (`inplace_source`) allocates nothing (a
     returned one: its gradient's bytes are that buffer) and the argument's node lives to its last
     reader; a matrix product inductor folds into the sum that reads it (`folds_into_addmm`) is a
-    member of the sum's node."""
+    member of the sum's node.  With `keep_outputs` (the default) the region's forward results
+    stay to the step's end, as a caller that holds them through ``backward()`` keeps them
+    (``out = model(x); loss_fn(out, y).backward()``); without, they live to the loss node (the
+    backward's start) or their last reader in the backward: the caller drops them once its loss
+    is computed (``loss_fn(model(x), y).backward()``).  Either way they are never recomputed."""
     times = times or OpTimes(region_device(gm))
     fx_nodes = list(gm.graph.nodes)
     STATIC, LOSS = -1, -2
@@ -795,14 +800,20 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             b = int(d["bytes"])
             if g in returned:   # (its leader holds its bytes to the step's end: a part has no persistent bytes)
                 extra["returned"] = True
-                b = 0
+                if keep_outputs or g not in fwd_out:
+                    b = 0
+                else:
+                    extra["dropped"] = True
             nodes.append(Node(i, head.name, d["kind"], 0.0, b, 0, extra, part_of=new_id[lead]))
             members.append(d["members"])
             continue
         b, own, made = int(d["bytes"]), 0, int(d["bytes"])
         if g in returned:
             extra["returned"] = True
-            b, own = 0, int(d["bytes"])
+            if keep_outputs or g not in fwd_out:   # (a gradient, or a result its caller holds)
+                b, own = 0, int(d["bytes"])
+            else:
+                extra["dropped"] = True
         if i in owner:   # (written into its owner's buffer: nothing of its own)
             extra["inplace_of"] = owner[i]
             b, made = 0, 0
@@ -975,10 +986,12 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes, buffers:
 
 def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
             times: OpTimes | None = None, copies: dict | None = None, buffers: bool = False,
-            made_here: set | None = None) -> Program:
+            made_here: set | None = None, keep_outputs: bool = True) -> Program:
     """The peak and time of the partitioner's forward and backward graphs, replayed op by op
     (`_replay`): the primals are fixed bytes; the region's results stay through the backward
-    (the caller holds them); the saved values from the forward to their last use in the backward;
+    (the caller holds them; with `keep_outputs` false it drops them at the backward's start, where
+    the tangents arrive: `joint_graph`'s loss node),
+    the saved values from the forward to their last use in the backward;
     the tangents from the backward's start; the gradients to the step's end.  Exact for the
     aot_eager backends, which run these graphs' ops as they are; for inductor, whose kernels and
     buffers are its own (module docstring), `copies` (`layout_copies` of `fw`) are the forward's
@@ -999,7 +1012,7 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     out = next(n for n in fw.graph.nodes if n.op == "output")
     results = out.args[0][:num_fwd_outputs]
     held = {storage_key(t): _nbytes(t) for a in results if isinstance(a, fx.Node) for t in _tensors(a.meta.get("val"))
-            if storage_key(t) not in fixed}
+            if storage_key(t) not in fixed} if keep_outputs else {}
     start: dict = {}
     tangents = 0
     for n in bw.graph.nodes:
@@ -1014,6 +1027,10 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     saved = sum(start.values()) - tangents
     b_peak, b_time, _ = _replay(bw, start, as_is | set(held), times, buffers, made_here)
     b_peak += sum(held.values())
+    if not keep_outputs:   # (the loss's instant: the results the caller drops, with the tangents)
+        b_peak = max(b_peak, sum(start.values()) + sum(
+            _nbytes(t) for a in results if isinstance(a, fx.Node) for t in _tensors(a.meta.get("val"))
+            if storage_key(t) not in fixed and storage_key(t) not in start))
     fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
     again = sum(1 for n in bw.graph.nodes if n.op == "call_function" and n.name in fw_ops and not is_alias(n))
     return Program(max(f_peak, b_peak) + fixed_bytes, f_time + b_time, fixed_bytes, saved,

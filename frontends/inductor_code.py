@@ -147,7 +147,8 @@ def _path(node: ast.AST) -> tuple:
 def follow(source: str, device: torch.device, keys: Callable[[list], list], pinned: set = frozenset(),
            itemsize: Callable[[list, list, tuple, str], "int | None"] = lambda names, size, path, kernel: None,
            input_itemsize: Callable[[str], "int | None"] = lambda name: None,
-           scratch: Callable[[list, str], int] = lambda names, kernel: 0) -> CodeRun:
+           scratch: Callable[[list, str], int] = lambda names, kernel: 0,
+           shape: Callable[[list, tuple, str], "tuple | None"] = lambda names, path, kernel: None) -> CodeRun:
     """Follow ``call`` in `source` (module docstring).
 
     `keys(inputs)`: per input name (in order; called once the names are read), its storage key
@@ -162,7 +163,10 @@ def follow(source: str, device: torch.device, keys: Callable[[list], list], pinn
     for an input;
     `scratch(names, kernel)`: the bytes an ATen kernel allocates inside itself for those fx ops
     (`kernel`: the ATen op it runs, ``"convolution"`` for ``extern_kernels.convolution``, the
-    random op a generator state runs again, where the ops named are more).  The
+    random op a generator state runs again, where the ops named are more); `shape(names, path,
+    kernel)`: (size, stride) of a kernel's result the code never asserts (inductor asserts no
+    integer scan's, ``aten.cumsum(..., dtype=torch.int64)``), from the value of the fx op it runs,
+    or None (unreadable).  The
     storages the code allocates count, and the counted inputs until the code drops their last
     name (unless pinned)."""
     body = _call_body(source)
@@ -252,6 +256,9 @@ def follow(source: str, device: torch.device, keys: Callable[[list], list], pinn
                 first = next((elem.get(_base(a)) for a in args if _base(a) in owner), None)
                 ops, kernel = ops_above(st.lineno), _kernel(value)
                 results = parts.get(target, [(target, ())])
+                for name, path in results:
+                    if name not in asserted and (got := shape(ops, path, kernel)) is not None:
+                        asserted[name] = got
                 if any(name not in asserted for name, _ in results):
                     raise UnreadableCode(f"a kernel's result whose size is never asserted: {text.strip()}")
                 ks = []
@@ -307,22 +314,26 @@ def step_bytes(forward: str, backward: str, num_fwd_outputs: int, device: torch.
                fixed: Callable[[list], list], tangent_bytes: Callable[[str], int], held_tangents: set = frozenset(),
                itemsize: Callable[[str, list, list, tuple, str], "int | None"] = lambda graph, names, size, path, kernel: None,
                input_itemsize: Callable[[str, str], "int | None"] = lambda graph, name: None,
-               scratch: Callable[[str, list, str], int] = lambda graph, names, kernel: 0) -> CodePeaks:
+               scratch: Callable[[str, list, str], int] = lambda graph, names, kernel: 0,
+               shape: Callable[[str, list, tuple, str], "tuple | None"] = lambda graph, names, path, kernel: None,
+               keep_outputs: bool = True) -> CodePeaks:
     """A region's forward and backward as their generated code runs them.
 
     The forward: its inputs (`fixed(names)`: their storage keys; the parameters, buffers and
     batch, never counted) and the storages it allocates.  Its first `num_fwd_outputs` returned
-    values are the region's results, which the caller holds through the backward; the rest are
+    values are the region's results, which the caller holds through the backward (with
+    `keep_outputs` false it drops them as the backward starts: they count at that instant only,
+    with its inputs); the rest are
     what it saves, the backward's first inputs in order; its other inputs are the tangents
     (`tangent_bytes(name)`).  The backward starts with the results, the saved storages and the
     tangents, frees the saved ones and the tangents when their last name goes (but those in
     `held_tangents`, which its caller holds too: a loss's gradient, which ``backward()`` holds
     to its end), and allocates its own; what it returns (the gradients) stays.  `itemsize`,
-    `input_itemsize` and `scratch` are `follow`'s, with the graph (``"forward"`` or
+    `input_itemsize`, `scratch` and `shape` are `follow`'s, with the graph (``"forward"`` or
     ``"backward"``) first."""
     def on(which: str) -> dict:
         return dict(itemsize=functools.partial(itemsize, which), input_itemsize=functools.partial(input_itemsize, which),
-                    scratch=functools.partial(scratch, which))
+                    scratch=functools.partial(scratch, which), shape=functools.partial(shape, which))
     fw = follow(forward, device, lambda names: [(k, None) for k in fixed(names)], **on("forward"))
     fixed_keys = set(fixed(fw.inputs))
     own = lambda k: isinstance(k, tuple) and k[:1] == ("code",)  # noqa: E731
@@ -341,9 +352,15 @@ def step_bytes(forward: str, backward: str, num_fwd_outputs: int, device: torch.
         return out
 
     # (the results, held by the caller: counted from the backward's start, never freed in it)
-    held = {k: fw.sizes[k] for k in results}
+    held = {k: fw.sizes[k] for k in results} if keep_outputs else {}
     bw = follow(backward, device, bw_keys, pinned=set(held) | fixed_keys | {("tangent", n) for n in held_tangents},
                 **on("backward"))
     held_only = sum(b for k, b in held.items() if k not in saved)
     saved_bytes = sum(fw.sizes[k] for k in set(saved) if own(k) and k not in held)
-    return CodePeaks(fw.peak_bytes, bw.peak_bytes + held_only, saved_bytes, fw.peak_line, bw.peak_line)
+    bw_bytes, bw_line = bw.peak_bytes + held_only, bw.peak_line
+    if not keep_outputs:   # (the loss's instant: the results the caller drops, with the backward's inputs)
+        start = next(b for b, line in bw.trace if line == "(inputs)") + sum(fw.sizes[k] for k in results
+                                                                             if k not in saved)
+        if start > bw_bytes:
+            bw_bytes, bw_line = start, "(the backward's inputs, with the results the caller drops then)"
+    return CodePeaks(fw.peak_bytes, bw_bytes, saved_bytes, fw.peak_line, bw_line)

@@ -33,7 +33,10 @@ replay) and compiled again; where a compile fits after one that did not but leav
 Code outside the regions.  A region whose results (wanting a gradient, not a scalar) no later
 region takes is read by the caller's own code, a loss computed eagerly on the logits, say, whose
 bytes no plan holds: found when the region's backward starts, said once (a warning, and a line
-of `RematCompiler.report`; `read_outside` holds those regions).
+of `RematCompiler.report`; `read_outside` holds those regions).  The region's results are planned
+alive to the step's end (the caller's ``out``) unless ``keep_outputs=False`` says the caller drops
+them once its loss is computed; results still alive at the backward's start then are said once
+(`outputs_kept`).
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ from remat.frontends.compiled import (BACKENDS, OpTimes, Program, aten_op, induc
 from remat.frontends.inductor_code import UnreadableCode, step_bytes
 from remat.frontends.measuring import storage_key
 from remat.frontends.profile import FlopsModel
+from remat import solvers
 
 from .budget import parse_budget
 from .planning import plan as make_plan
@@ -121,7 +125,8 @@ class RematCompiler:
 
     def __init__(self, budget: "str | int", backend: str = "inductor", solver: str = "ilp", time_limit: float = 30.0,
                  profile: str = "measure", flops_model: FlopsModel | None = None, reserve: "str | int" = 0,
-                 knapsack: tuple = KNAPSACK, fused: bool | None = None, buffers: bool = False, **options: Any):
+                 knapsack: tuple = KNAPSACK, fused: bool | None = None, buffers: bool = False,
+                 keep_outputs: bool = True, **options: Any):
         if backend not in BACKENDS:
             raise InvalidInputError(f"remat.compiler: backend must be one of {BACKENDS}, got {backend!r}")
         if options.get("swap"):
@@ -141,6 +146,8 @@ class RematCompiler:
         if buffers and backend != "inductor":
             raise InvalidInputError(f"remat.compiler: buffers models inductor's buffer rewrites; backend is {backend!r}")
         self.buffers = bool(buffers)
+        solvers.load_all()   # (not during the first call: `remat.solvers.load_all`)
+        self.keep_outputs = bool(keep_outputs)
         self.regions: list[Region] = []
         self.step_budget: int | None = None   # bytes, once a relative budget is resolved
         self._active: list[int] = []          # regions between their forward and their backward
@@ -148,6 +155,9 @@ class RematCompiler:
         self._ran_order: list[int] = []       # the step's regions in the order their forwards ran
         self._results: dict[int, set] = {}    # region -> storages of its results that want a gradient, not scalars
         self.read_outside: set[int] = set()   # regions whose results code outside the regions read (`_ran`)
+        # regions whose results were still alive at their backward's start where the plan
+        # (``keep_outputs=False``) had them dropped: region -> bytes (`_kept`)
+        self.outputs_kept: dict[int, int] = {}
         self._held, self._held_from, self._passed = 0, [], 0   # for the region being compiled (`held`)
         self._leaves = (0, 0)   # its new resident bytes and gradient bytes (`leaves`)
         self._cut = 0           # bytes the region being compiled is planned under its budget (`_inductor`)
@@ -257,6 +267,7 @@ class RematCompiler:
 
         def done(*_: Any) -> None:
             self._outside(index)
+            self._kept(index)
             if index in self._active:
                 self._active.remove(index)
         # (a pre-hook: a hook that runs after the node would make the engine hold the region's
@@ -277,6 +288,24 @@ class RematCompiler:
         if self._results.get(index, set()) - taken:
             self.read_outside.add(index)
             log.warning("remat.compiler: %s", self._outside_line(index))
+
+    def _kept(self, index: int) -> None:
+        """Region `index`'s backward starts: with ``keep_outputs=False`` its plan has the caller's
+        references to its results gone by now; those still alive (the caller's ``out``) are bytes
+        over the plan: said once per region (a warning, and a line of `report`)."""
+        if self.keep_outputs or index in self.outputs_kept:
+            return
+        alive = {storage_key(t): t.untyped_storage().nbytes() for ref in self._touched.get(index, ({}, []))[1]
+                 if (t := ref()) is not None and storage_key(t) in self._results.get(index, set())}
+        if alive:
+            self.outputs_kept[index] = sum(alive.values())
+            log.warning("remat.compiler: %s", self._kept_line(index))
+
+    def _kept_line(self, index: int) -> str:
+        return (f"region {index}'s results ({format_bytes_exact(self.outputs_kept[index])}) are still held when its "
+                "backward starts, where the plan (keep_outputs=False) had the caller drop them once its loss was "
+                "computed: the step may peak that much over the plan; drop them before backward() or compile with "
+                "keep_outputs=True")
 
     @staticmethod
     def _outside_line(index: int) -> str:
@@ -321,7 +350,8 @@ class RematCompiler:
         times = OpTimes(region_device(gm), measure=self.profile == "measure", flops_model=self.flops_model,
                         limit_bytes=known, codegen=inductor, channels_last=channels_last, fused=self.fused)
         jg = joint_graph(gm, num_fwd, name=f"region{len(self.regions)}", times=times,
-                         copies=layout_copies(gm, channels_last), buffers=self.buffers)
+                         copies=layout_copies(gm, channels_last), buffers=self.buffers,
+                         keep_outputs=self.keep_outputs)
         held, before = self._held, self._held_from
         if not before or self.step_budget is None:   # (a region that starts the step)
             # ("1x": the compiled step that saves every forward value the backward reads)
@@ -385,7 +415,7 @@ class RematCompiler:
             gm.graph = joint
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
             prog = program(fw, bw, num_fwd, times, copies=layout_copies(fw) if inductor else None,
-                           buffers=self.buffers, made_here=made_here)
+                           buffers=self.buffers, made_here=made_here, keep_outputs=self.keep_outputs)
             tries.append({"budget_bytes": target, "planned_peak_bytes": p.predicted["peak_bytes"],
                           "peak_bytes": prog.peak_bytes})
             if best is None or prog.peak_bytes < best[3].peak_bytes or prog.peak_bytes <= limit:
@@ -579,6 +609,14 @@ class RematCompiler:
             ops = [v for v in named(which, names) if v.op == "call_function"]
             same = [v for v in ops if aten_op(v) == kernel] or runs(which, kernel)
             return max((times.scratch(v) for v in same or ops), default=0)
+        def shape(which: str, names: list, path: tuple, kernel: str) -> tuple | None:
+            # (the one value of that place among the ops named that run the kernel, else among
+            # the graph's ops that run it; several sizes: None)
+            for ops in ([v for v in named(which, names) if aten_op(v) == kernel], runs(which, kernel)):
+                got = {(tuple(t.shape), tuple(t.stride())) for v in ops if isinstance(t := part(v, path), torch.Tensor)}
+                if got:
+                    return tuple(map(list, got.pop())) if len(got) == 1 else None
+            return None
         tangents = {n.name: tensors(n) for n in bw.graph.nodes if n.op == "placeholder"}
         # (a scalar's gradient, a loss's: ``backward()`` holds it to the backward's end)
         roots = {k for k, ts in tangents.items() if ts and all(t.numel() == 1 for t in ts)}
@@ -587,7 +625,8 @@ class RematCompiler:
             peaks = step_bytes(codes["forward"], codes["backward"], num_fwd, region_device(fw),
                                lambda names: [("fixed", k) for k in names],
                                lambda k: sum(t.untyped_storage().nbytes() for t in tangents.get(k, ())), roots,
-                               itemsize=itemsize, input_itemsize=input_itemsize, scratch=scratch)
+                               itemsize=itemsize, input_itemsize=input_itemsize, scratch=scratch, shape=shape,
+                               keep_outputs=self.keep_outputs)
         except (UnreadableCode, SyntaxError, ValueError) as e:
             log.info("remat.compiler: inductor's code not read (%s); the region's peak is the replay's", e)
             return None
@@ -617,6 +656,7 @@ class RematCompiler:
             lines.append(f"the step: predicted peak {format_bytes_exact(self.step_peak_bytes)} (each region with what the "
                          "regions before it hold, and the later regions' parameters and gradients)")
         lines += [self._outside_line(k) for k in sorted(self.read_outside)]
+        lines += [self._kept_line(k) for k in sorted(self.outputs_kept)]
         return "\n".join(lines) or "no region compiled yet"
 
 
@@ -635,7 +675,7 @@ def _partitioner(owner: RematCompiler):
 
 def compiler(budget: "str | int", backend: str = "inductor", solver: str = "ilp", **options: Any) -> RematCompiler:
     """``remat.compiler(budget, backend="inductor", solver="ilp", time_limit=30, profile="measure",
-    reserve=0, knapsack=(1, 0.9, 0.7, 0.5, 0.3), fused=None, buffers=False)``: a
+    reserve=0, knapsack=(1, 0.9, 0.7, 0.5, 0.3), fused=None, buffers=False, keep_outputs=True)``: a
     ``torch.compile`` backend whose partitioner follows remat's plan of each region's joint graph at `budget` (bytes, ``"6GiB"``,
     or ``"0.5x"`` of the keep-all peak of the region that starts the step), each region after a
     graph break within its share (module docstring).  `backend`: ``"inductor"`` (code
@@ -656,7 +696,12 @@ def compiler(budget: "str | int", backend: str = "inductor", solver: str = "ilp"
     modelled): the backward's scatters into zeros (a
     max pool's, an embedding's backward) written in the zeros' buffer
     (`remat.frontends.compiled.inplace_source`), a matrix product folded into the sum that reads
-    it (``addmm``: `remat.frontends.compiled.folds_into_addmm`)."""
+    it (``addmm``: `remat.frontends.compiled.folds_into_addmm`).  `keep_outputs`: the caller holds
+    what the compiled model returns through ``backward()`` (``out = model(x); loss = loss_fn(out,
+    y)``: the default, which plans them alive to the step's end); false where it drops them once
+    its loss is computed (``loss = loss_fn(model(x), y)``, or ``model(**batch).loss`` with the
+    logits left behind): they are then planned free from the backward's start, and a region whose
+    results are still alive there says so once (a warning and a line of `report`) with their bytes."""
     return RematCompiler(budget, backend, solver, **options)
 
 

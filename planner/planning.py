@@ -70,6 +70,11 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
         if executor != "compiled":
             raise
         schedule, wall, why = None, time_limit, str(e)
+    except InfeasibleBudgetError as e:
+        # (the solver found nothing where a schedule fits: the compiled class's own starts may)
+        if executor != "compiled" or e.min_feasible_bytes is None or e.min_feasible_bytes > budget_bytes:
+            raise
+        schedule, wall, why = None, time_limit, str(e)
     extra: dict = {}
     if executor == "compiled":
         solved_time = None if schedule is None else res.time
@@ -301,6 +306,7 @@ def explain_infeasible(graph: Graph, budget_bytes: int, solver: str, err: Infeas
         infeasible_message(graph, budget_bytes, solver, int(found), None if bound is None else int(bound), source),
         budget_bytes, int(found), None if bound is None else int(bound), graph.fixed_bytes)
     out.cli_hint = (f"Use --budget {int(found)} or more." if budget_bytes < found
+                    else "Use a longer --time-limit, or a larger --budget." if solver.startswith("ilp")
                     else "Use --solver ilp, or a larger --budget for this solver.")
     return out
 
@@ -315,9 +321,10 @@ def infeasible_message(graph: Graph, budget_bytes: int, solver: str, found: int,
         fixed += (f"; the optimizer's step needs {format_bytes(graph.optimizer_step_bytes)} more at the step's "
                   "end, beside the gradients")
     if budget_bytes >= found:
+        fix = ("give it more time (time_limit), or a larger budget" if solver.startswith("ilp")
+               else "plan with the solver 'ilp', or with a larger budget for this solver")
         return (f"solver {solver!r} found no schedule within the budget {format_bytes_exact(budget_bytes)}, "
-                f"but {by} found one that needs {format_bytes_exact(found)}: plan with the solver 'ilp', or "
-                "with a larger budget for this solver.")
+                f"but {by} found one that needs {format_bytes_exact(found)}: {fix}.")
     if bound is not None and bound >= found:
         need = f"a schedule needs at least {format_bytes_exact(found)} (found by {by}; proven lower bound " \
                f"{format_bytes(bound)})"

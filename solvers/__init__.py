@@ -11,6 +11,8 @@ registered; `register` is `registry.register`.
 """
 from __future__ import annotations
 
+import importlib
+import threading
 from typing import Callable
 
 from remat.core.compat import register_moved
@@ -28,8 +30,31 @@ register_moved({
 
 
 def load_all() -> None:
-    """Import every solver module (importing one registers its strategies)."""
-    from . import baselines, chen, dtr, griewank, ilp, lp_round, rotor, tflms  # noqa: F401
+    """Import every solver module (importing one registers its strategies), in a thread of its
+    own the first time: PuLP, imported with them, keeps the exception of each solver library it
+    does not find, traceback and all, and a traceback holds every frame of the stack that
+    imported it, with their locals.  Imported from inside a step -- ``remat.compiler`` plans
+    during the first call of the compiled model -- that kept the caller's first outputs (a
+    model's logits) alive for good; a thread's stack holds no caller's frames."""
+    if _LOADED:
+        return
+    failed: list = []
+
+    def load() -> None:
+        try:
+            for name in ("baselines", "chen", "dtr", "griewank", "ilp", "lp_round", "rotor", "tflms"):
+                importlib.import_module(f"{__name__}.{name}")
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            failed.append(e)
+    t = threading.Thread(target=load, name="remat-solvers-import")
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]
+    _LOADED.append(True)
+
+
+_LOADED: list = []
 
 
 def get(name: str) -> Callable:

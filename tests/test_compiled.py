@@ -730,8 +730,8 @@ def test_each_try_partitions_the_graph_with_its_own_tags(reference, monkeypatch)
     real = compiling.program
     seen = []
 
-    def first_over(fw, bw, n, times=None, copies=None, buffers=False, made_here=None):
-        p = real(fw, bw, n, times, copies, buffers, made_here)
+    def first_over(fw, bw, n, times=None, copies=None, buffers=False, made_here=None, keep_outputs=True):
+        p = real(fw, bw, n, times, copies, buffers, made_here, keep_outputs)
         seen.append(p)
         over = p.peak_bytes + (p.peak_bytes - p.fixed_bytes) // 5   # (the first try: over by a fifth of it)
         return dataclasses.replace(p, peak_bytes=over) if len(seen) == 1 else p
@@ -841,6 +841,84 @@ def test_a_loss_computed_outside_the_compiled_region_is_said(reference, one_torc
     rc = remat.compiler("1.0x", backend="aot_eager", time_limit=10)
     _step(torch.compile(copy.deepcopy(model), backend=rc), x)
     assert rc.read_outside == set() and "outside" not in rc.report()
+
+
+class WideHead(torch.nn.Module):
+    """A wide output (logits-like, 4 MiB at batch 512) whose loss the caller computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 256)
+        self.head = torch.nn.Linear(256, 2048)
+
+    def forward(self, x):
+        return self.head(torch.nn.functional.gelu(self.up(x)))
+
+
+def test_outputs_the_caller_drops_are_planned_free_from_the_backwards_start(one_torch_thread, caplog):
+    """``keep_outputs``: a loop that holds the model's output through ``backward()`` measures the
+    default plan's prediction; one that drops it once the loss is made measures the prediction
+    of ``keep_outputs=False`` (the output counted to the backward's start, with its gradient),
+    lower by the bytes the default keeps; where the caller holds what that plan dropped, the
+    compiler says so once, with the bytes."""
+    from remat.frontends.measuring import measure
+    torch.manual_seed(0)
+    model, x = WideHead().train(), torch.randn(512, 64)
+    out_bytes = 512 * 2048 * 4
+
+    def peak(c, m, hold):
+        def step():
+            for p in m.parameters():
+                p.grad = None
+            if hold:
+                out = c(x)
+                (out * 0.5).sum().backward()
+            else:
+                (c(x) * 0.5).sum().backward()
+        step()
+        return measure(step, meter="allocator", resident=list(m.parameters()) + [x]).peak_bytes
+
+    predicted = {}
+    for keep in (True, False):
+        torch._dynamo.reset()
+        m = copy.deepcopy(model)
+        rc = remat.compiler("1.0x", backend="aot_eager", time_limit=10, keep_outputs=keep)
+        c = torch.compile(m, backend=rc)
+        with caplog.at_level("WARNING", logger="remat.compiled"):
+            caplog.clear()
+            measured = peak(c, m, hold=keep)
+            predicted[keep] = rc_peak = rc.regions[0].program.peak_bytes
+            assert measured == pytest.approx(rc_peak, abs=64)
+            assert rc.outputs_kept == {} and not any("still held" in r.getMessage() for r in caplog.records)
+            if not keep:
+                held = peak(c, m, hold=True)
+                assert held > rc_peak + out_bytes // 2   # (over the plan, as said)
+                assert rc.outputs_kept == {0: out_bytes}
+                assert sum("still held" in r.getMessage() for r in caplog.records) == 1
+                assert "keep_outputs=True" in rc.report()
+    assert predicted[True] - predicted[False] >= out_bytes // 2
+
+
+def test_the_first_call_leaves_nothing_of_its_callers_frames_alive(tmp_path):
+    """The solvers are imported before the first call (in a thread: PuLP keeps the tracebacks of
+    the solver libraries it does not find, and with them every frame of the importing stack):
+    the first compiled call's output dies with the caller's last reference to it."""
+    import subprocess
+    import sys
+    script = tmp_path / "first.py"
+    script.write_text(
+        "import gc, sys, weakref, torch, remat\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))\n"
+        "c = torch.compile(m, backend=remat.compiler('1.0x', backend='aot_eager', time_limit=5))\n"
+        "out = c(torch.randn(4, 8))\n"
+        "ref = weakref.ref(out)\n"
+        "del out\n"
+        "gc.collect()\n"
+        "assert 'pulp' in sys.modules\n"
+        "print('alive' if ref() is not None else 'dead')\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "dead"
 
 
 class WideBreak(torch.nn.Module):

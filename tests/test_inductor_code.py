@@ -85,6 +85,47 @@ def test_the_backward_frees_what_it_deletes_and_keeps_what_it_returns():
     assert peaks.backward_bytes == max(start, at_conv)
 
 
+def test_results_the_caller_drops_count_only_with_the_backwards_inputs():
+    """``keep_outputs=False``: the caller drops the region's results as its backward starts, so
+    they count at that instant only, beside the saved values and the tangent, not through the
+    backward."""
+    peaks = step_bytes(FORWARD, BACKWARD, 1, CPU, lambda names: [("fixed", n) for n in names],
+                       lambda name: 32, input_itemsize=lambda graph, name: 4, keep_outputs=False)
+    f32, b, result = 8 * 16 * 4, 8 * 16, 8 * 8 * 4
+    start = result + b + f32 + 32            # (the results, the saved mask and ReLU output, the tangent)
+    at_conv = f32 + f32 + f32 + 16 * 16 * 4  # (the convolution's gradients, without the results)
+    assert peaks.backward_bytes == max(start, at_conv) == at_conv
+    wide = step_bytes(FORWARD.replace("(8, 8), (8, 1)", "(64, 64), (64, 1)"), BACKWARD,
+                      1, CPU, lambda names: [("fixed", n) for n in names], lambda name: 32,
+                      input_itemsize=lambda graph, name: 4, keep_outputs=False)
+    assert wide.backward_bytes == 64 * 64 * 4 + b + f32 + 32   # (its results set the backward's peak)
+    assert wide.backward_line.startswith("(the backward's inputs")
+
+
+def test_a_kernels_result_inductor_never_asserts_is_sized_by_its_fx_ops_value():
+    """Inductor asserts no size of some kernels' results (an integer ``cumsum``): `shape` gives it
+    from the fx op the comment names, and the result's bytes count from there."""
+    cumsum = FORWARD.replace(
+        "        buf5 = empty_strided_cpu((8, 8), (8, 1), torch.float32)\n",
+        "        # Topologically Sorted Source Nodes: [pos], Original ATen: [aten.cumsum]\n"
+        "        buf5 = torch.ops.aten.cumsum.default(buf4, dim=-1, dtype=torch.int64)\n")
+    with pytest.raises(UnreadableCode, match="never asserted"):
+        follow(cumsum, CPU, lambda names: [(n, None) for n in names])
+    asked = []
+
+    def shape(ops, path, kernel):
+        asked.append((ops, path, kernel))
+        return [2, 4, 4, 4], [64, 16, 4, 1]
+    run = follow(cumsum, CPU, lambda names: [(n, None) for n in names], shape=shape,
+                 itemsize=lambda names, size, path, kernel: 8 if kernel == "cumsum" else None,
+                 input_itemsize=lambda name: 4)
+    assert asked == [(["pos"], (), "cumsum")]
+    conv = extent_bytes([2, 4, 4, 4], [64, 1, 16, 4], 4)
+    f32, b = 8 * 16 * 4, 8 * 16
+    # (at the cumsum: the mask, the ReLU's output, the convolution's result and the int64 sums)
+    assert run.peak_bytes == b + f32 + conv + 128 * 8
+
+
 def test_a_backward_whose_inputs_are_not_what_the_forward_saved_is_refused():
     swapped = BACKWARD.replace("gt, relu, primals_2, tangents_1 = args", "primals_2, gt, relu, tangents_1 = args")
     with pytest.raises(UnreadableCode, match="primals_2"):
