@@ -20,7 +20,11 @@ seed before every step), in PyTorch's default loop (gradients set to None betwee
 * ``remat-compiled-BACKEND@VARIANT`` (``--remat-compiled``): ``torch.compile(model,
   backend=remat.compiler(B, backend=BACKEND))`` with B the peak VARIANT measured, for every
   compile row of that backend, and ``@1x`` (nothing recomputed); its gradients are compared with
-  that backend's budget-1 row too;
+  that backend's budget-1 row too.  The compile rows compile the model and compute its loss
+  eagerly on what it returns (``torch.compile(model)``), or with ``--compile-loss`` compile the
+  model and its loss as one module (`WithLoss`), so both torch.compile and remat see the loss's
+  bytes (transformers' GPT-2 124M: its eager cross entropy over 50,257 logits holds three
+  logits-sized tensors at once, outside any region);
 * ``remat@VARIANT``: remat planned (`remat.trace` defaults unless the case names a granularity;
   the ILP without swap) at the peak VARIANT measured, for every peer, applied with
   ``remat.apply(..., executor="auto")`` (a plan that recomputes nothing runs as plain autograd
@@ -116,6 +120,18 @@ COLUMNS = ("case", "variant", "kind", "peak_bytes", "storage_peak_bytes", "predi
            "peak_over_plain", "time_over_plain", "loss_diff", "max_grad_diff", "grad_diff_vs_compile_1", "note")
 
 
+class WithLoss(torch.nn.Module):
+    """`model` and its loss as one module, ``forward(*batch)`` the step's loss: what a user compiles
+    to have torch.compile see the loss too (``--compile-loss``)."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        return step_loss(self.model, self.loss_fn, batch)
+
+
 def run_steps(model: torch.nn.Module, step: Callable[[tuple], torch.Tensor], example: tuple,
               warmup: int, device: torch.device, storage: bool) -> dict:
     """Peaks, and the reference step's loss and gradients: `warmup` steps, the reference step, one
@@ -203,6 +219,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only-compile", action="store_true",
                     help="plain, the compile rows and remat's compiled rows only (no checkpointing, save_on_cpu, "
                          "eager remat)")
+    ap.add_argument("--compile-loss", action="store_true",
+                    help="the compile rows (torch.compile's and remat's) compile the model with its loss, not the "
+                         "model alone with the loss computed eagerly on its outputs")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP seconds per remat plan")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("-o", "--output", default=None, help="CSV (default benchmarks/results/peers-CASE.csv)")
@@ -247,6 +266,14 @@ def main(argv=None) -> int:
             row["_grads"] = grads
         return row
 
+    def compiled_step(model: torch.nn.Module, backend: Any) -> Callable:
+        """The step of `model` compiled with `backend`: the model alone, its loss computed eagerly
+        on what it returns, or with ``--compile-loss`` the model and its loss as one region."""
+        if not args.compile_loss:
+            return eager(torch.compile(model, backend=backend))
+        step = torch.compile(WithLoss(model, loss_fn), backend=backend)
+        return lambda batch: step(*batch)
+
     def eager(model: torch.nn.Module, wrap: Callable[[], Any] = contextlib.nullcontext) -> Callable:
         def step(batch: tuple) -> torch.Tensor:
             with wrap():
@@ -276,12 +303,11 @@ def main(argv=None) -> int:
         for label, budget in [("1x", "1.0x")] + [(r["variant"], int(r["peak_bytes"])) for r in peers]:
             torch._dynamo.reset()
             m = copy.deepcopy(base)
-            # (this loop drops the model's outputs once its loss is computed: `step_loss`)
-            rc = remat.compiler(budget, backend=backend, time_limit=args.time_limit, keep_outputs=False)
+            rc = remat.compiler(budget, backend=backend, time_limit=args.time_limit)
             try:
                 with iconfig.patch(fallback_random=True):
                     row = record(f"remat-compiled-{backend}@{label}", f"remat-compiled-{backend}", m,
-                                 eager(torch.compile(m, backend=rc)), warmup=2, reference=reference)
+                                 compiled_step(m, rc), warmup=2, reference=reference)
             except Exception as e:  # noqa: BLE001 - a budget that does not fit is a row's note
                 inner = getattr(e, "inner_exception", None) or e   # (dynamo wraps the backend's error)
                 print(f"remat-compiled-{backend}@{label}: {type(inner).__name__}: {str(inner).splitlines()[0]}",
@@ -307,11 +333,11 @@ def main(argv=None) -> int:
                                           for x in args.budgets.split(",")]:
             torch._dynamo.reset()
             m = copy.deepcopy(base)
-            compiled = torch.compile(m, backend=backend)
             with fconfig.patch(activation_memory_budget=b, activation_memory_budget_solver=solver), \
                     iconfig.patch(fallback_random=True):
                 try:
-                    row = record(f"compile-{backend}-{solver}-{b:g}", f"compile-{backend}", m, eager(compiled),
+                    row = record(f"compile-{backend}-{solver}-{b:g}", f"compile-{backend}", m,
+                                 compiled_step(m, backend),
                                  warmup=2, reference=reference, keep_grads=reference is None)
                 except Exception as e:  # noqa: BLE001 - a peer that fails is a row, not the end
                     print(f"compile-{backend}-{solver}-{b:g}: {type(e).__name__}: {e}", flush=True)

@@ -600,7 +600,7 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
     STATIC, LOSS = -1, -2
     group: dict = {}
     groups: list[dict] = []   # {"members", "kind", "bytes", "ws", "flops", "lead", "index"}
-    fixed, tangent_bytes, seen = 0, 0, set()
+    fixed, tangent_bytes, root_bytes, seen = 0, 0, 0, set()
     tangent_dep: set = set()
     folded: dict = {}   # a sum -> the matrix product it absorbs (`folds_into_addmm`)
     sums: set = set()   # (the sums that absorbed one)
@@ -625,6 +625,8 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
                 group[n] = LOSS
                 tangent_dep.add(n)
                 tangent_bytes += sum(_nbytes(t) for t in tensors)
+                # (a scalar's gradient, a loss's: ``backward()`` holds it to the backward's end)
+                root_bytes += sum(_nbytes(t) for t in tensors if t.numel() == 1)
             else:
                 group[n] = STATIC
                 for t in tensors:
@@ -779,7 +781,8 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
     nodes, members = [], []
     for i, g in enumerate(order):
         if g == LOSS:
-            nodes.append(Node(i, "loss", "loss", 0.0, int(tangent_bytes), 0, {"tangents": True}))
+            nodes.append(Node(i, "loss", "loss", 0.0, int(tangent_bytes - root_bytes), 0, {"tangents": True},
+                              persistent_bytes=int(root_bytes)))
             members.append([])
             continue
         d = groups[g]
@@ -1019,6 +1022,9 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
         if n.op == "placeholder":
             for t in _tensors(n.meta.get("val")):
                 k = storage_key(t)
+                if n.name.startswith("tangents") and t.numel() == 1 and k not in fixed:
+                    held[k] = _nbytes(t)   # (a scalar's gradient: ``backward()`` holds it to its end)
+                    continue
                 if k in copies or (k not in fixed and k not in held and k not in start):
                     start[k] = _nbytes(t)
                     tangents += _nbytes(t) if n.name.startswith("tangents") else 0
@@ -1028,7 +1034,7 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     b_peak, b_time, _ = _replay(bw, start, as_is | set(held), times, buffers, made_here)
     b_peak += sum(held.values())
     if not keep_outputs:   # (the loss's instant: the results the caller drops, with the tangents)
-        b_peak = max(b_peak, sum(start.values()) + sum(
+        b_peak = max(b_peak, sum(start.values()) + sum(held.values()) + sum(
             _nbytes(t) for a in results if isinstance(a, fx.Node) for t in _tensors(a.meta.get("val"))
             if storage_key(t) not in fixed and storage_key(t) not in start))
     fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}

@@ -899,6 +899,31 @@ def test_outputs_the_caller_drops_are_planned_free_from_the_backwards_start(one_
     assert predicted[True] - predicted[False] >= out_bytes // 2
 
 
+class WideFirst(torch.nn.Module):
+    """A wide first layer whose weight gradient, made last, sets the peak of a step whose loss
+    the region computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 1024)
+        self.head = torch.nn.Linear(1024, 16)
+
+    def forward(self, x):
+        return (self.head(torch.nn.functional.gelu(self.up(x))) * 0.5).sum()
+
+
+def test_the_losss_gradient_is_held_through_the_backward(one_torch_thread):
+    """``backward()`` holds the loss's gradient (a scalar tangent) to the backward's end: at 1.0x
+    the step measures its prediction and its budget to the byte (both 4 bytes under before, the
+    step over its "1.0x")."""
+    from remat.frontends.measuring import measure
+    torch.manual_seed(0)
+    model, x = WideFirst().train(), torch.randn(8, 64)
+    m, rc, c = _compiled(model, x, "1.0x")
+    measured = measure(lambda: _step(c, x), meter="allocator", resident=list(m.parameters()) + [x]).peak_bytes
+    assert measured == rc.regions[0].program.peak_bytes == rc.step_budget
+
+
 def test_the_first_call_leaves_nothing_of_its_callers_frames_alive(tmp_path):
     """The solvers are imported before the first call (in a thread: PuLP keeps the tracebacks of
     the solver libraries it does not find, and with them every frame of the importing stack):
