@@ -924,6 +924,29 @@ def test_the_losss_gradient_is_held_through_the_backward(one_torch_thread):
     assert measured == rc.regions[0].program.peak_bytes == rc.step_budget
 
 
+def test_inductors_code_reads_the_outputs_the_caller_drops(one_torch_thread):
+    """With inductor the reading of its code follows ``keep_outputs=False`` too: the step that drops
+    the output measures the prediction read off the code."""
+    from remat.frontends.measuring import measure
+    torch.manual_seed(0)
+    model, x = WideHead().train(), torch.randn(512, 64)
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    rc = remat.compiler("1.0x", backend="inductor", time_limit=10, keep_outputs=False)
+    c = torch.compile(m, backend=rc)
+
+    def step():
+        for p in m.parameters():
+            p.grad = None
+        (c(x) * 0.5).sum().backward()
+    step()
+    measured = measure(step, meter="allocator", resident=list(m.parameters()) + [x]).peak_bytes
+    [region] = rc.regions
+    assert region.replay is not None and region.compiles   # (the code was read)
+    assert measured == pytest.approx(region.program.peak_bytes, abs=64)
+    assert rc.outputs_kept == {}
+
+
 def test_the_first_call_leaves_nothing_of_its_callers_frames_alive(tmp_path):
     """The solvers are imported before the first call (in a thread: PuLP keeps the tracebacks of
     the solver libraries it does not find, and with them every frame of the importing stack):
@@ -970,7 +993,8 @@ def test_a_regions_incoming_gradients_go_at_their_last_use(one_torch_thread):
     runs before the region's backward: a hook after it would make autograd's engine hold the
     gradients to hand them over), so the measured peak, set by the first region's backward, is
     the prediction less the first region's outputs, which it holds through the backward as a
-    caller may and which this step drops once the loss is made."""
+    caller may and which this step drops once the loss is made: with ``keep_outputs=False``, the
+    prediction."""
     torch.manual_seed(0)
     model, x = WideBreak().train(), torch.randn(2048, 64)
     m, rc, c = _compiled(model, x, 10 ** 9)
@@ -979,6 +1003,10 @@ def test_a_regions_incoming_gradients_go_at_their_last_use(one_torch_thread):
     assert predicted == r0.program.peak_bytes   # (the first region's backward sets the step's peak)
     outputs = 2048 * 256 * 4 + 2048 * 4          # (y and extra)
     assert _allocator_peak(c, m, x) == pytest.approx(predicted - outputs, abs=64)
+    # (told that the caller drops them, the regions plan them free from the backward's start)
+    m, rc, c = _compiled(model, x, 10 ** 9, keep_outputs=False)
+    assert rc.step_peak_bytes == pytest.approx(predicted - outputs, abs=64)
+    assert _allocator_peak(c, m, x) == pytest.approx(rc.step_peak_bytes, abs=16)
 
 
 class HeavyTail(torch.nn.Module):
