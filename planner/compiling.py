@@ -609,6 +609,7 @@ class RematCompiler:
             ops = [v for v in named(which, names) if v.op == "call_function"]
             same = [v for v in ops if aten_op(v) == kernel] or runs(which, kernel)
             return max((times.scratch(v) for v in same or ops), default=0)
+
         def shape(which: str, names: list, path: tuple, kernel: str) -> tuple | None:
             # (the one value of that place among the ops named that run the kernel, else among
             # the graph's ops that run it; several sizes: None)

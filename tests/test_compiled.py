@@ -1007,6 +1007,7 @@ def test_a_regions_incoming_gradients_go_at_their_last_use(one_torch_thread):
     m, rc, c = _compiled(model, x, 10 ** 9, keep_outputs=False)
     assert rc.step_peak_bytes == pytest.approx(predicted - outputs, abs=64)
     assert _allocator_peak(c, m, x) == pytest.approx(rc.step_peak_bytes, abs=16)
+    assert rc.outputs_kept == {}   # (the later region took them, and let them go)
 
 
 class HeavyTail(torch.nn.Module):
