@@ -739,6 +739,7 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
     fwd_out = {group[x] for x in flat[:num_fwd_outputs] if isinstance(x, fx.Node) and group.get(x, STATIC) >= 0}
     for g in fwd_out:
         edges.add((new_id[g], new_id[LOSS]))
+    dropped = set() if keep_outputs else fwd_out   # (results the caller lets go at the loss node)
     # the forward nodes the region's results need (the partitioner's forward); the others are
     # backward-only (`remat.core.compiled.backward_only`)
     preds: dict = {}
@@ -803,20 +804,20 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
             b = int(d["bytes"])
             if g in returned:   # (its leader holds its bytes to the step's end: a part has no persistent bytes)
                 extra["returned"] = True
-                if keep_outputs or g not in fwd_out:
-                    b = 0
-                else:
+                if g in dropped:
                     extra["dropped"] = True
+                else:
+                    b = 0
             nodes.append(Node(i, head.name, d["kind"], 0.0, b, 0, extra, part_of=new_id[lead]))
             members.append(d["members"])
             continue
         b, own, made = int(d["bytes"]), 0, int(d["bytes"])
         if g in returned:
             extra["returned"] = True
-            if keep_outputs or g not in fwd_out:   # (a gradient, or a result its caller holds)
-                b, own = 0, int(d["bytes"])
-            else:
+            if g in dropped:
                 extra["dropped"] = True
+            else:   # (a gradient, or a result its caller holds)
+                b, own = 0, int(d["bytes"])
         if i in owner:   # (written into its owner's buffer: nothing of its own)
             extra["inplace_of"] = owner[i]
             b, made = 0, 0
@@ -1014,8 +1015,9 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     f_peak, f_time, _ = _replay(fw, dict(copies), as_is, times, buffers)
     out = next(n for n in fw.graph.nodes if n.op == "output")
     results = out.args[0][:num_fwd_outputs]
-    held = {storage_key(t): _nbytes(t) for a in results if isinstance(a, fx.Node) for t in _tensors(a.meta.get("val"))
-            if storage_key(t) not in fixed} if keep_outputs else {}
+    result_bytes = {storage_key(t): _nbytes(t) for a in results if isinstance(a, fx.Node)
+                    for t in _tensors(a.meta.get("val")) if storage_key(t) not in fixed}
+    held = dict(result_bytes) if keep_outputs else {}
     start: dict = {}
     tangents = 0
     for n in bw.graph.nodes:
@@ -1034,9 +1036,8 @@ def program(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     b_peak, b_time, _ = _replay(bw, start, as_is | set(held), times, buffers, made_here)
     b_peak += sum(held.values())
     if not keep_outputs:   # (the loss's instant: the results the caller drops, with the tangents)
-        b_peak = max(b_peak, sum(start.values()) + sum(held.values()) + sum(
-            _nbytes(t) for a in results if isinstance(a, fx.Node) for t in _tensors(a.meta.get("val"))
-            if storage_key(t) not in fixed and storage_key(t) not in start))
+        b_peak = max(b_peak, sum(start.values()) + sum(held.values())
+                     + sum(b for k, b in result_bytes.items() if k not in start))
     fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
     again = sum(1 for n in bw.graph.nodes if n.op == "call_function" and n.name in fw_ops and not is_alias(n))
     return Program(max(f_peak, b_peak) + fixed_bytes, f_time + b_time, fixed_bytes, saved,

@@ -62,9 +62,11 @@ class CodeRun:
     once (the storages given as live at the start included; scratch included); ``returned``: per
     returned value, its storage key (None for ``None`` and scalars); ``sizes``: storage key ->
     bytes of every storage it knows; ``peak_line``: the statement at the peak; ``trace``: the
-    counted bytes at each statement that allocates or runs an ATen kernel."""
+    counted bytes at each statement that allocates or runs an ATen kernel; ``inputs_bytes``: the
+    counted bytes once its inputs are bound."""
     inputs: list
     peak_bytes: int = 0
+    inputs_bytes: int = 0
     returned: list = field(default_factory=list)
     sizes: dict = field(default_factory=dict)
     peak_line: str = ""
@@ -238,6 +240,7 @@ def follow(source: str, device: torch.device, keys: Callable[[list], list], pinn
                 elem[n] = input_itemsize(n)
                 if nbytes is not None:
                     sizes[k] = live[k] = nbytes
+            run.inputs_bytes = sum(live.values())
             note("(inputs)")
             continue
         if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
@@ -359,8 +362,7 @@ def step_bytes(forward: str, backward: str, num_fwd_outputs: int, device: torch.
     saved_bytes = sum(fw.sizes[k] for k in set(saved) if own(k) and k not in held)
     bw_bytes, bw_line = bw.peak_bytes + held_only, bw.peak_line
     if not keep_outputs:   # (the loss's instant: the results the caller drops, with the backward's inputs)
-        start = next(b for b, line in bw.trace if line == "(inputs)") + sum(fw.sizes[k] for k in results
-                                                                             if k not in saved)
+        start = bw.inputs_bytes + sum(fw.sizes[k] for k in results if k not in saved)
         if start > bw_bytes:
             bw_bytes, bw_line = start, "(the backward's inputs, with the results the caller drops then)"
     return CodePeaks(fw.peak_bytes, bw_bytes, saved_bytes, fw.peak_line, bw_line)

@@ -66,13 +66,10 @@ def plan(graph: "Graph | str | Path", budget: "str | int", solver: str = "ilp", 
     try:
         schedule, res, wall = _solve(graph, budget_bytes, solver, explain, swap=swap, time_limit=time_limit,
                                      gap=gap, **options)
-    except SolverError as e:
-        if executor != "compiled":
-            raise
-        schedule, wall, why = None, time_limit, str(e)
-    except InfeasibleBudgetError as e:
-        # (the solver found nothing where a schedule fits: the compiled class's own starts may)
-        if executor != "compiled" or e.min_feasible_bytes is None or e.min_feasible_bytes > budget_bytes:
+    except (SolverError, InfeasibleBudgetError) as e:
+        # (the solver found nothing, where a schedule fits: the compiled class's own starts may)
+        if executor != "compiled" or (isinstance(e, InfeasibleBudgetError) and
+                                      (e.min_feasible_bytes is None or e.min_feasible_bytes > budget_bytes)):
             raise
         schedule, wall, why = None, time_limit, str(e)
     extra: dict = {}
