@@ -67,6 +67,15 @@ def backward_only(graph: Graph) -> set[int]:
     return with_parts(graph, {v.id for v in graph.nodes if v.kind == "forward" and v.extra.get("unclaimed")})
 
 
+def beyond_schedules(graph: Graph) -> bool:
+    """Whether the class's programs on `graph` may run ops the solvers' schedules do not: an
+    ``inline`` op (a forward node marked ``extra["inlined"]``, which holds bytes where it is
+    stored) or an ``into`` op (a node marked ``extra["in_place"]``).  Each holds fewer bytes than
+    the compute a schedule runs in its place, so on such a graph a solver's smallest feasible
+    budget is not the class's, and its time bound does not bound the class's programs."""
+    return any(v.extra.get("in_place") or (v.extra.get("inlined") and v.bytes) for v in graph.nodes)
+
+
 def normal(graph: Graph, recompute: set[int]) -> set[int]:
     """The tag set the partitioner gets for `recompute`: with every part of its ops, without the
     pinned nodes, with the backward-only ones."""

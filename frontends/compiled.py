@@ -122,11 +122,17 @@ def _scratch(n: fx.Node) -> int:
     input (not a 0-d one) of another dtype than the inputs' common one to that dtype first
     (TensorIterator's input promotion on the CPU: decomposed dropout's ``mul`` of a boolean mask
     by a float tensor makes a float copy of the mask; a comparison's boolean result is no
-    promotion)."""
+    promotion).  A random-state wrapper's value is its ``getitem`` readers' where the partitioned
+    graph gives the wrapper none (the generator's state a ``run_with_rng_state`` holds besides:
+    `rng_state_bytes`, which `OpTimes.scratch` adds)."""
     op, args = _inner_op(n)
     op = op or n.target
     name = getattr(op, "__name__", "").split(".")[0]
-    val = [t for t in _tensors(n.meta.get("val")) if t.dim() > 0]
+    value = n.meta.get("val")
+    if value is None:   # (a wrapper in the partitioned backward: its parts are its readers' values)
+        value = [u.meta.get("val") for u in sorted((u for u in n.users if u.target is operator.getitem),
+                                                   key=lambda u: u.args[1])]
+    val = [t for t in _tensors(value) if t.dim() > 0]
     if not val or val[0].device.type != "cpu":
         return 0
     if name == "native_dropout":
@@ -140,6 +146,15 @@ def _scratch(n: fx.Node) -> int:
         size = torch.empty((), dtype=common).element_size()
         return sum(t.numel() * size for t in ins if t.dtype != common)
     return 0
+
+
+def rng_state_bytes(n: fx.Node) -> int:
+    """Bytes of the CPU generator's state that `n` holds while its op runs: a
+    ``run_with_rng_state`` (it sets the state it is handed and restores the one it saved), not
+    another op."""
+    if n.op != "call_function" or n.target is not torch.ops.higher_order.run_with_rng_state:
+        return 0
+    return torch.get_rng_state().numel()
 
 
 def _flops(n: fx.Node) -> int:
@@ -238,7 +253,8 @@ class OpTimes:
         """Bytes `n`'s kernel allocates beyond its outputs while it runs (class docstring)."""
         if self.codegen and inductor_generates(n):
             return 0
-        return self._measured(n)[1]
+        # (measured or modelled on the op alone, not through its random-state wrapper)
+        return self._measured(n)[1] + rng_state_bytes(n)
 
     def _measured(self, n: fx.Node) -> tuple[float, int]:
         if n.op != "call_function" or is_alias(n):
@@ -352,8 +368,19 @@ def fused_traffic(n: fx.Node) -> int:
 # scatter into it), which it makes in that argument's buffer where nothing else reads it
 # (checked in its generated code: the zeros a max pool's and an embedding's backward scatter into)
 WRITES_INTO_FIRST = ("aten.index_put.", "aten._unsafe_index_put.", "aten._unsafe_masked_index_put_accumulate.",
-                     "aten.scatter.", "aten.scatter_add.", "aten.scatter_reduce.", "aten.index_add.",
-                     "aten.slice_scatter.", "aten.select_scatter.")
+                     "aten.scatter.", "aten.scatter_add.", "aten.scatter_reduce.", "aten.index_add.")
+# ops ATen does not tag pointwise that inductor lowers to a pointwise kernel over their result:
+# a slice's or a select's scatter is ``where(inside the slice, src, x)`` (its lowerings of
+# ``slice_scatter`` and ``select_scatter``), so the zeros it scatters into are a fill inlined into
+# that kernel and the result a new buffer, made while what the kernel reads is alive (the logits'
+# gradient of a shifted cross entropy: checked in inductor's generated code)
+LOWERED_POINTWISE = ("aten.slice_scatter.", "aten.select_scatter.")
+
+
+def lowered_pointwise(op: Any) -> bool:
+    """Inductor lowers `op` (an ATen overload) to a pointwise kernel: tagged pointwise, or one of
+    `LOWERED_POINTWISE`."""
+    return torch.Tag.pointwise in getattr(op, "tags", ()) or str(op).startswith(LOWERED_POINTWISE)
 
 
 def inplace_source(n: fx.Node, backward: set, made_here: set) -> fx.Node | None:
@@ -425,8 +452,7 @@ def inductor_inlines(gm: fx.GraphModule, stored: Any = ()) -> dict:
                 if forced(u):
                     return True
                 continue
-            if not inductor_generates(u) or (torch.Tag.pointwise not in getattr(u.target, "tags", ())
-                                             and name(u) not in REDUCTIONS):
+            if not inductor_generates(u) or (not lowered_pointwise(u.target) and name(u) not in REDUCTIONS):
                 return True
         return False
 
@@ -440,7 +466,7 @@ def inductor_inlines(gm: fx.GraphModule, stored: Any = ()) -> dict:
             continue
         op = _inner_op(n)[0] or n.target
         nm = name(n)
-        pointwise = torch.Tag.pointwise in getattr(op, "tags", ()) or not n.all_input_nodes
+        pointwise = lowered_pointwise(op) or not n.all_input_nodes
         if n in stored or not pointwise or not inductor_generates(n) or any(r in str(op) for r in ("rand", "bernoulli", "dropout", "rng")):
             continue
         reads, ops, heavy = set(), 1, nm in HEAVY
@@ -480,7 +506,7 @@ def folds_into_addmm(n: fx.Node) -> fx.Node | None:
         return None
     if not is_expandable_to(tuple(c.shape), tuple(out.shape)):
         return None
-    if out.device.type == "cuda" and all(w.op == "call_function" and torch.Tag.pointwise in getattr(w.target, "tags", ())
+    if out.device.type == "cuda" and all(w.op == "call_function" and lowered_pointwise(w.target)
                                          for w in u.users):
         return None
     return u
@@ -871,7 +897,7 @@ def may_write_in_place(n: fx.Node) -> bool:
     """`n` is a kernel inductor's scheduler may write into an input's buffer
     (``decide_inplace_update``): a pointwise op it generates code for, not an alias, not random."""
     tags = getattr(n.target, "tags", ())
-    return (n.op == "call_function" and not is_alias(n) and inductor_generates(n) and torch.Tag.pointwise in tags
+    return (n.op == "call_function" and not is_alias(n) and inductor_generates(n) and lowered_pointwise(n.target)
             and torch.Tag.nondeterministic_seeded not in tags)
 
 
