@@ -11,15 +11,16 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 
-def write_csv(path: "str | Path", columns: Sequence[str], rows: Iterable[dict]) -> Path:
-    """Write `rows` under the header `columns` to `path`; print and return where."""
+def write_csv(path: "str | Path", columns: Sequence[str], rows: Iterable[dict], quiet: bool = False) -> Path:
+    """Write `rows` under the header `columns` to `path`; print (unless `quiet`) and return where."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(columns))
         w.writeheader()
         w.writerows(rows)
-    print(f"wrote {out}")
+    if not quiet:
+        print(f"wrote {out}")
     return out
 
 

@@ -19,7 +19,8 @@ seed before every step), in PyTorch's default loop (gradients set to None betwee
   randomness (pytorch#190758);
 * ``remat-compiled-BACKEND@VARIANT`` (``--remat-compiled``): ``torch.compile(model,
   backend=remat.compiler(B, backend=BACKEND))`` with B the peak VARIANT measured, for every
-  compile row of that backend, and ``@1x`` (nothing recomputed); its gradients are compared with
+  peak a compile row of that backend measured (VARIANT: the first row of that peak), and ``@1x``
+  (nothing recomputed; ``--buffers``: ``buffers=True``); its gradients are compared with
   that backend's budget-1 row too.  The compile rows compile the model and compute its loss
   eagerly on what it returns (``torch.compile(model)``), or with ``--compile-loss`` compile the
   model and its loss as one module (`WithLoss`), so both torch.compile and remat see the loss's
@@ -222,6 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-loss", action="store_true",
                     help="the compile rows (torch.compile's and remat's) compile the model with its loss, not the "
                          "model alone with the loss computed eagerly on its outputs")
+    ap.add_argument("--buffers", action="store_true",
+                    help="remat.compiler(..., buffers=True): model inductor's buffer rewrites (a scatter into zeros "
+                         "in their buffer, a product folded into addmm)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP seconds per remat plan")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("-o", "--output", default=None, help="CSV (default benchmarks/results/peers-CASE.csv)")
@@ -236,10 +240,18 @@ def main(argv=None) -> int:
     timing_batch = random_batch(example, torch.Generator().manual_seed(3), dev)
     plain_model = copy.deepcopy(base)   # plain autograd, timed in turns with every variant
     plain_step: list = []
+    out = args.output or f"benchmarks/results/peers-{args.case}.csv"
+
+    def save(quiet: bool = True) -> None:
+        """The rows so far to the CSV: written before every row and at the end, so a run stopped
+        early keeps what it measured (a remat row's note is set after its row is recorded)."""
+        write_csv(out, COLUMNS, [{k: v for k, v in r.items() if k != "_grads"} for r in rows], quiet=quiet)
 
     def record(variant: str, kind: str, model: torch.nn.Module, step: Callable, warmup: int = 1,
                note: str = "", predicted: int | None = None, reference: list | None = None,
                keep_grads: bool = False) -> dict:
+        if rows:
+            save()
         res = run_steps(model, step, example, warmup, dev,
                         storage=not kind.startswith(("compile", "remat-compiled")) and dev.type == "cpu")
         loss, grads = res["first"]
@@ -298,12 +310,17 @@ def main(argv=None) -> int:
         record("save-on-cpu", "save_on_cpu", m, eager(m, lambda: torch.autograd.graph.save_on_cpu(pin_memory=False)))
 
     def compiled_rows(backend: str, reference: list | None) -> None:
-        """remat.compiler on `backend` at 1x and at the peak of every compile row of that backend."""
-        peers = [r for r in rows if r["kind"] == f"compile-{backend}"]
-        for label, budget in [("1x", "1.0x")] + [(r["variant"], int(r["peak_bytes"])) for r in peers]:
+        """remat.compiler on `backend` at 1x and at the peak of every compile row of that backend
+        (once a peak: rows of one peak share remat's row, labelled with the first)."""
+        peaks: dict = {}
+        for r in rows:
+            if r["kind"] == f"compile-{backend}":
+                peaks.setdefault(int(r["peak_bytes"]), r["variant"])
+        for label, budget in [("1x", "1.0x")] + [(v, b) for b, v in peaks.items()]:
             torch._dynamo.reset()
             m = copy.deepcopy(base)
-            rc = remat.compiler(budget, backend=backend, time_limit=args.time_limit)
+            rc = remat.compiler(budget, backend=backend, time_limit=args.time_limit,
+                                **({"buffers": True} if args.buffers else {}))
             try:
                 with iconfig.patch(fallback_random=True):
                     row = record(f"remat-compiled-{backend}@{label}", f"remat-compiled-{backend}", m,
@@ -317,6 +334,7 @@ def main(argv=None) -> int:
             row["predicted_peak_bytes"] = rc.step_peak_bytes   # (the replay of what the partitioner built)
             row["note"] = (f"{len(rc.regions)} region(s), predicted {pr[0]['overhead']:.3f}x, "
                            f"{sum(len(r.recomputed_ops) for r in rc.regions)} ops recomputed, "
+                           + ("buffers=True, " if args.buffers else "") +
                            f"{rc.regions[0].plan.solver.get('status')}")
             print(f"{'':<40} predicted peak {row['predicted_peak_bytes'] / row['peak_bytes']:.3f}x of measured; "
                   f"{row['note']}", flush=True)
@@ -369,10 +387,7 @@ def main(argv=None) -> int:
                predicted=predicted["peak_bytes"])
     m = copy.deepcopy(base)
     record("plain (again)", "plain", m, eager(m), note="a fresh copy against the first: the timing's noise")
-    out = args.output or f"benchmarks/results/peers-{args.case}.csv"
-    for row in rows:
-        row.pop("_grads", None)
-    write_csv(out, COLUMNS, rows)
+    save(quiet=False)
     picture(rows, Path(out).with_suffix(".png"), args.case)
     return 0
 
