@@ -692,7 +692,8 @@ def compiler(budget: "str | int", backend: str = "inductor", solver: str = "ilp"
     the ops inductor generates kernels for are priced as parts of fused kernels
     (`remat.frontends.compiled.OpTimes`), not at their eager times.  `buffers` (inductor only; off
     by default: on transformers' GPT-2 124M with its loss outside the region, the 1.0x step
-    measured 5.7 % over the prediction with it, 3.4 % under without): two buffer rewrites inductor
+    measured 5.7 % over the prediction with it, 3.4 % under without; with the loss compiled in the
+    region it is what reaches inductor's own peak there, measured as predicted): two buffer rewrites inductor
     makes, modelled in the plan and the replay beside its unstored and in-place kernels (always
     modelled): the backward's scatters into zeros (a
     max pool's, an embedding's backward) written in the zeros' buffer
