@@ -85,6 +85,16 @@ def _tensors(val: Any) -> list:
     return []
 
 
+def _out_tensors(n: fx.Node) -> list:
+    """The tensors of fx node `n`'s value, in order; where it has none of its own (a random-state
+    wrapper in a partitioned graph, ``run_and_save_rng_state`` / ``run_with_rng_state``), its
+    ``getitem`` readers' values, by index."""
+    if n.meta.get("val") is not None:
+        return _tensors(n.meta["val"])
+    parts = sorted((u for u in n.users if u.target is operator.getitem), key=lambda u: u.args[1])
+    return [t for u in parts for t in _tensors(u.meta.get("val"))]
+
+
 def _nbytes(t: torch.Tensor) -> int:
     try:
         return int(t.untyped_storage().nbytes())
@@ -128,11 +138,7 @@ def _scratch(n: fx.Node) -> int:
     op, args = _inner_op(n)
     op = op or n.target
     name = getattr(op, "__name__", "").split(".")[0]
-    value = n.meta.get("val")
-    if value is None:   # (a wrapper in the partitioned backward: its parts are its readers' values)
-        value = [u.meta.get("val") for u in sorted((u for u in n.users if u.target is operator.getitem),
-                                                   key=lambda u: u.args[1])]
-    val = [t for t in _tensors(value) if t.dim() > 0]
+    val = [t for t in _out_tensors(n) if t.dim() > 0]
     if not val or val[0].device.type != "cpu":
         return 0
     if name == "native_dropout":
@@ -996,12 +1002,8 @@ def _replay(gm: fx.GraphModule, live: dict, fixed: set, times: OpTimes, buffers:
         if n in fold or n in inl:   # (made where its sum runs, into the sum's storage; or
             total += times(n)       # computed inside its readers' kernels)
         elif n.op == "call_function" and not is_alias(n):
-            tensors = _tensors(n.meta.get("val"))
-            if n.meta.get("val") is None:   # (an op without a value of its own, the partitioner's
-                # ``run_and_save_rng_state``: its results are its ``getitem`` readers')
-                tensors = [t for u in n.users if u.target is operator.getitem for t in _tensors(u.meta.get("val"))]
             new = {}
-            for t in tensors:
+            for t in _out_tensors(n):
                 k = same.get(storage_key(t), storage_key(t))
                 k = into.get(k, k)
                 if k not in live and k not in fixed:
