@@ -71,6 +71,10 @@ def _case(name):
     if name in ("cnn", "cnn-bn"):
         return (CNN() if name == "cnn" else CNNBN()), \
             (torch.randn(8, 3, 16, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)), _cross_entropy, 1
+    if name == "deep":    # activations outweigh the weights; gradients gathered and scattered along dimension 1
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                    torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+        return model, (torch.randn(256, 64, generator=gen),), _square, None
     if name == "resnet18":    # the zoo's ResNet-18 (in-place ReLUs, batch norm) in float64: float32's
         from remat.frontends import zoo  # channel partial sums differ from one process's by rounding
         model, inputs = zoo.get("resnet18")
@@ -129,7 +133,7 @@ def _worker(rank, world, port, name, which, out):
     ("gpt-dropout", "search", 2), ("gpt-dropout", "data-parallel", 4),
     ("resnet18", "search", 2),
     # the devices recompute (ops on their own parts, once, in the backward): dropout included
-    ("gpt-wide-dropout", "search@0.8", 2),
+    ("gpt-wide-dropout", "search@0.8", 2), ("deep", "search@0.93", 2),
 ])
 def test_a_partitioned_step_trains_as_one_process_and_as_predicted(name, which, world):
     rows = spawn_rows(_worker, world, name, which)
@@ -147,6 +151,37 @@ def test_a_partitioned_step_trains_as_one_process_and_as_predicted(name, which, 
         assert low * r["plan_peak"] <= r["peak"] <= 1.05 * r["plan_peak"], r
         if which.startswith("search@"):   # (a plan that recomputes fills its budget: it must hold)
             assert 0.95 * r["plan_peak"] <= r["peak"] <= r["budget"], r
+
+
+def test_a_collectives_output_is_waited_for_until_its_last_other_owner_lets_go():
+    """gloo's worker drops a finished collective's work (which holds its output and views of it)
+    a moment after ``wait_tensor`` returns; if the step let go of the output first, the worker's
+    drop would free it only once it got the interpreter's lock, several ops later.  `released`
+    yields until the output's other owners are gone: here a thread holding a view of it for
+    30 ms, as the worker does for microseconds."""
+    import threading
+    import time
+
+    from remat.distributed import owners, released
+    t = torch.empty(1000)
+    callers = owners(t)
+    holder = [t[:10]]      # a view: the tensor's count and its storage's both rise
+    assert all(n > c for n, c in zip(owners(t), callers))
+
+    def drop():
+        time.sleep(0.03)
+        holder.clear()
+    thread = threading.Thread(target=drop)
+    t0 = time.perf_counter()
+    thread.start()
+    assert released(t, callers, limit_s=5.0)
+    waited = time.perf_counter() - t0
+    thread.join()
+    assert waited >= 0.025 and owners(t) == callers, waited
+    holder.append(t[:10])  # an owner that stays: the wait gives up at its limit and says so
+    t0 = time.perf_counter()
+    assert not released(t, callers, limit_s=0.02)
+    assert 0.02 <= time.perf_counter() - t0 < 1.0
 
 
 def test_a_plan_for_another_world_size_says_so():
