@@ -772,6 +772,15 @@ def _arrival_bytes(g: OpGraph, sp: Split, op: OpInfo, i: int) -> tuple[int, int]
             between_bytes(tuple(src), tuple(dst), info.shape, info.itemsize))
 
 
+def converting(passing: int, computing: int) -> int:
+    """What an op's workspace adds for the conversions of its inputs, which run before it computes:
+    their intermediate forms and staged copies (`passing`, the most of one conversion) are let go
+    before the op makes its outputs and the rest of its workspace (`computing`), so the op's
+    instant holds the larger of the two (the executor waits for gloo's worker to let each
+    collective's tensors go, `remat.distributed.released`)."""
+    return max(0, passing - computing)
+
+
 def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str = "") -> Graph:
     """One device's step under `sp` as a remat `Graph` (module docstring): its keep-everything
     peak is the partition's predicted peak per device; `remat.plan` can plan it further."""
@@ -800,7 +809,7 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
     kept: dict = {}
     converted: dict = {}       # op -> the inputs it reads converted (its backward reads the copies)
     transient: dict = {}       # op -> bytes of the parameters gathered for it (while it runs)
-    back_transient: dict = {}  # op -> of those, what its backward gathers again
+    back_transient: dict = {}  # op -> of those, (the bytes its backward gathers again, their most passing bytes)
 
     def add(kind, op, nbytes_, time, persistent=0, workspace=0, suffix=""):
         i = len(nodes)
@@ -828,14 +837,17 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
                 gathered.append((math.prod(s) * g.tensors[t].itemsize, extra, kind, again))
                 converted.setdefault(op.id, set()).add(t)
         copies = sum(b for b, _, kind, _ in gathered if kind in ("activation", "input"))
-        transient[op.id] = sum(b + x for b, x, kind, _ in gathered if kind == "parameter") + \
-            sum(x for _, x, kind, _ in gathered if kind in ("activation", "input"))
-        back_transient[op.id] = sum(b + x for b, x, kind, again in gathered if kind == "parameter" and again)
+        # the parameters gathered for the op live while it runs; what a conversion passes through
+        # (its intermediate forms, its staged copy) is gone before the op computes (`converting`)
+        transient[op.id] = sum(b for b, _, kind, _ in gathered if kind == "parameter")
+        passing = max((x for _, x, _, _ in gathered), default=0)
+        back_transient[op.id] = (sum(b for b, _, kind, again in gathered if kind == "parameter" and again),
+                                 max((x for _, x, kind, again in gathered if kind == "parameter" and again), default=0))
         out_b = sum(nbytes[t] for t in op.outputs if root[t] == t)
         # outputs made where they are not placed: the made form while it is converted
         made = [tuple(placed(x, "out", j) for x in sp.strategy[op.id]) for j in range(len(op.outputs))]
-        transient[op.id] += sum(conversion_transient(m, sp.placement[t], g.tensors[t].shape, g.tensors[t].itemsize)
-                                for m, t in zip(made, op.outputs))
+        after = sum(conversion_transient(m, sp.placement[t], g.tensors[t].shape, g.tensors[t].itemsize)
+                    for m, t in zip(made, op.outputs))
         # what the backward keeps beside the op's output: converted copies of its inputs, max
         # pooling's indices, statistics (`kept_statistics`), what a random op keeps (`drawn_bytes`)
         for_backward = copies + kept_statistics(g, op, ins)
@@ -844,12 +856,13 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         if any(s.sync for s in sp.strategy[op.id]):
             # synchronised statistics (`remat.distributed`): one temporary of the input's size
             # in the forward (the squares about the mean) and in the backward (the normalised input)
-            transient[op.id] += math.prod(ins[0]) * g.tensors[op.inputs[0]].itemsize
+            after += math.prod(ins[0]) * g.tensors[op.inputs[0]].itemsize
         if draws(op):
             saved, whole = drawn_bytes(g, op, ins, sp)
             for_backward += saved
             if any(s is not REPLICATED for s in sp.strategy[op.id]):
-                transient[op.id] += whole       # every device draws the whole tensor, keeps its part
+                after += whole       # every device draws the whole tensor, keeps its part
+        transient[op.id] += converting(passing, out_b + after) + after
         kind = "loss" if op is loss else "forward"
         makers = {nid[producer[root[t]]] for t in op.inputs if producer.get(root[t]) is not None}
         if for_backward:   # a node of their own, so that the op's outputs are let go after their
@@ -893,9 +906,11 @@ def device_graph(g: OpGraph, sp: Split, optimizer_factor: float = 0.0, name: str
         # its workspace covers its persistent bytes while it runs (`remat.core.simulate`): the
         # gradients arrive beside the parameters gathered again (the ones that arrive in place
         # are the parameters' gradients at once)
-        work = back_transient[op.id] + arriving + in_place
+        again, passing = back_transient[op.id]
+        work = arriving + in_place
         if any(s.sync for s in sp.strategy[op.id]) or op.op in LOG_PROBS_INSIDE:
             work += math.prod(sp.used_shape(g, op, 0)) * g.tensors[op.inputs[0]].itemsize
+        work += again + converting(passing, grads + work)
         i = add("backward", op, grads, 2 * nodes[nid[op.id]].time, in_place, work)
         bwd[op.id] = i
         if op.id in gather_in:

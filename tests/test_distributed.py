@@ -1,7 +1,7 @@
 """Partition plans run on torch.distributed (gloo, CPU processes; `remat.distributed`): the loss
 and gradients of one process (dropout included), the bytes sent at the collectives equal to the
-plan's, and each rank's measured peak (the storage accounting) at most 5 % above the plan's
-per-device prediction."""
+plan's, and each rank's measured peak (the storage accounting) at most 2 % above the plan's
+per-device prediction and at most 5-10 % below it."""
 from __future__ import annotations
 
 import pytest
@@ -143,12 +143,13 @@ def test_a_partitioned_step_trains_as_one_process_and_as_predicted(name, which, 
     assert all(r["loss"] == pytest.approx(head["loss"], rel=1e-6) for r in rows)
     # the bytes sent at the collectives, summed over the ranks, are the plan's
     assert sum(r["comm"] for r in rows) == head["plan_comm"]
-    # each rank's peak at most 5 % above the plan's per-device prediction, and below it by at
-    # most 5 % (10 % on the transformers, and 20 % on 4 processes: a two-step gather's
-    # intermediate form is alive beside the result in some runs, which the prediction counts)
-    low = 0.80 if world > 2 else 0.90 if name.startswith("gpt") else 0.95
+    # each rank's peak at most 2 % above the plan's per-device prediction, and below it by at
+    # most 5 % (10 % on the transformers, whose predictions are 1-6 % above what they measure);
+    # on 4 processes too, where a two-step conversion's intermediate form goes before its op
+    # computes (FSDP-style MLP at 4: 16 % under when the prediction held it beside the result)
+    low = 0.90 if name.startswith("gpt") else 0.95
     for r in rows:
-        assert low * r["plan_peak"] <= r["peak"] <= 1.05 * r["plan_peak"], r
+        assert low * r["plan_peak"] <= r["peak"] <= 1.02 * r["plan_peak"], r
         if which.startswith("search@"):   # (a plan that recomputes fills its budget: it must hold)
             assert 0.95 * r["plan_peak"] <= r["peak"] <= r["budget"], r
 
