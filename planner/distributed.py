@@ -52,6 +52,7 @@ own way, and a CUDA step with attention dropout differs from one process's).
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Callable
@@ -133,7 +134,6 @@ def released(t: torch.Tensor, callers: tuple[int, int], limit_s: float = RELEASE
     ops between, in some runs and not others (a 4-linear MLP 17.8 % over its prediction in 12 of
     54 runs).  Waiting here (``sleep(0)`` lets the lock go) frees each such buffer where the plan
     does."""
-    import time
     deadline = None
     while any(n > most for n, most in zip(owners(t), callers)):
         now = time.perf_counter()
@@ -821,8 +821,6 @@ def _train(model: torch.nn.Module, example: tuple, device: torch.device, steps: 
     planned step: {"loss", "grads" (full, by the model's names), "peak_bytes", "comm_bytes", and a
     pipeline's "predicted_peak"}), then SGD at `lr` on `params` ([(parameter, its name in
     "grads")])."""
-    import time
-
     from remat.frontends.base import default_loss, step_loss
     from remat.frontends.run import random_batch
     gen = torch.Generator().manual_seed(1)
