@@ -131,8 +131,8 @@ def released(t: torch.Tensor, callers: tuple[int, int], limit_s: float = RELEASE
     dimension other than the first, once its chunks are concatenated), the worker's drop is the
     last one and frees it only when that thread gets the interpreter's lock, at this thread's next
     blocking call (the next collective): one full-size tensor more than the plan holds over the
-    ops between, in some runs and not others (a 4-linear MLP 17.8 % over its prediction in 12 of
-    54 runs).  Waiting here (``sleep(0)`` lets the lock go) frees each such buffer where the plan
+    ops between, in some runs and not others (a 4-linear MLP 17.8 % over its prediction in about
+    a third of its runs).  Waiting here (``sleep(0)`` lets the lock go) frees each such buffer where the plan
     does."""
     deadline = None
     while any(n > most for n, most in zip(owners(t), callers)):
