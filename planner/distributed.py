@@ -132,8 +132,8 @@ def released(t: torch.Tensor, callers: tuple[int, int], limit_s: float = RELEASE
     last one and frees it only when that thread gets the interpreter's lock, at this thread's next
     blocking call (the next collective): one full-size tensor more than the plan holds over the
     ops between, in some runs and not others (a 4-linear MLP 17.8 % over its prediction in about
-    a third of its runs).  Waiting here (``sleep(0)`` lets the lock go) frees each such buffer where the plan
-    does."""
+    a third of its runs).  Waiting here (``sleep(0)`` lets the lock go) frees each such buffer
+    where the plan does."""
     deadline = None
     while any(n > most for n, most in zip(owners(t), callers)):
         now = time.perf_counter()
