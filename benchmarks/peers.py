@@ -32,14 +32,17 @@ seed before every step), in PyTorch's default loop (gradients set to None betwee
   where the plain step the trace measured fits; the note names the execution).
 
 For each: the peak (one meter for all: on the CPU the allocator's own events,
-``remat.measure(meter="allocator")``, which see inside compiled code and kernels' scratch
-buffers; on CUDA ``max_memory_allocated``; eager variants also under the storage accounting,
-the meter remat's CPU predictions are made for), the median step time of ``--steps`` steps
-after a warm-up, taken in turns with plain autograd's step (`csvout.time_in_turns`; this
-machine's speed drifts by tens of percent over minutes, so each variant's time is over the
-plain steps taken between its own), and the largest difference of the loss and of any gradient
-from plain autograd's on a reference step (the same batch and RNG seed for every variant).  A
-last ``plain (again)`` row, a fresh copy timed the same way, shows the timing's noise.  CSV rows, and a picture: step time against peak, both over plain's, one marker per variant, remat's points joined.
+``remat.measure(meter="allocator")``, which see inside compiled code and kernels' scratch buffers;
+on CUDA ``max_memory_allocated``; eager variants also under the storage accounting, the meter
+remat's CPU predictions are made for), the median step time of ``--steps`` steps after a warm-up,
+taken in turns with plain autograd's step (`csvout.time_in_turns`; this machine's speed drifts by
+tens of percent over minutes, so each variant's time is over the plain steps taken between its own;
+a remat row is timed in the same turns with the fastest peer at its budget (a peer's peak) or below, of
+any kind for a compiled row and checkpointing or save_on_cpu for an eager one: columns ``peer`` and
+``time_over_peer``), and the largest difference of the loss and of any gradient from plain
+autograd's on a reference step (the same batch and RNG seed for every variant). A last ``plain
+(again)`` row, a fresh copy timed the same way, shows the timing's noise. CSV rows, and a picture:
+step time against peak, both over plain's, one marker per variant, remat's points joined.
 
     python benchmarks/peers.py                                  # zoo GPT-2 (4 layers, batch 8, seq 256)
     python benchmarks/peers.py --case hf-gpt2                   # transformers GPT-2 (4 layers, width 128)
@@ -52,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -118,7 +122,12 @@ CASES = {
 }
 COLUMNS = ("case", "variant", "kind", "peak_bytes", "storage_peak_bytes", "predicted_peak_bytes", "step_s",
            "plain_step_s",
-           "peak_over_plain", "time_over_plain", "loss_diff", "max_grad_diff", "grad_diff_vs_compile_1", "note")
+           "peak_over_plain", "time_over_plain", "peer", "time_over_peer", "loss_diff", "max_grad_diff",
+           "grad_diff_vs_compile_1", "note")
+# the kinds of rows that are peers (what a user would pick instead of remat); of these a compiled
+# remat row is timed against the fastest of any kind, an eager one against the fastest eager one
+PEER_KINDS = ("checkpoint", "save_on_cpu", "compile-")
+EAGER_PEER_KINDS = ("checkpoint", "save_on_cpu")
 
 
 class WithLoss(torch.nn.Module):
@@ -186,13 +195,32 @@ def training_step(model: torch.nn.Module, step: Callable[[tuple], torch.Tensor],
 
 
 def timed_against_plain(variant: Callable[[], None], plain: Callable[[], None], rounds: int,
-                        device: torch.device) -> tuple[float, float]:
-    """(median seconds of `variant`'s step, of plain autograd's), the two taking turns step by
-    step (`csvout.time_in_turns`): the same drift of this shared machine's speed falls on both,
-    so their ratio holds where times of variants measured minutes apart do not."""
+                        device: torch.device, peer: Callable[[], None] | None = None) -> tuple:
+    """(median seconds of `variant`'s step, of plain autograd's, of `peer`'s or None), the steps
+    taking turns step by step (`csvout.time_in_turns`): the same drift of this shared machine's
+    speed falls on each, so their ratios hold where times of variants measured minutes apart do
+    not (two remat rows each timed against plain minutes apart differed by 8 % where, in turns,
+    they were within 1 %)."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    t = time_in_turns({"variant": variant, "plain": plain}, rounds, sync)
-    return t["variant"], t["plain"]
+    steps = {"variant": variant, "plain": plain, **({"peer": peer} if peer is not None else {})}
+    t = time_in_turns(steps, rounds, sync)
+    return t["variant"], t["plain"], t.get("peer")
+
+
+def in_config(config: Callable[[], Any], step: Callable[[], None]) -> Callable[[], None]:
+    """`step` run under the context manager `config()` makes."""
+    def run() -> None:
+        with config():
+            step()
+    return run
+
+
+def fastest_peer(rows: list[dict], peak: int, kinds: tuple) -> dict | None:
+    """The row of `kinds` (kind prefixes) with the least time over plain among those whose
+    measured peak is at most `peak` (the issue's "fastest peer at that peak or below": `peak` is
+    the budget a remat row was planned at, a peer's measured peak), or None."""
+    fits = [r for r in rows if r["kind"].startswith(kinds) and r["peak_bytes"] <= peak and "_step" in r]
+    return min(fits, key=lambda r: r["time_over_plain"], default=None)
 
 
 def grad_diff(a: list, b: list) -> float:
@@ -245,27 +273,42 @@ def main(argv=None) -> int:
     def save(quiet: bool = True) -> None:
         """The rows so far to the CSV: written before every row and at the end, so a run stopped
         early keeps what it measured (a remat row's note is set after its row is recorded)."""
-        write_csv(out, COLUMNS, [{k: v for k, v in r.items() if k != "_grads"} for r in rows], quiet=quiet)
+        write_csv(out, COLUMNS, [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], quiet=quiet)
 
     def record(variant: str, kind: str, model: torch.nn.Module, step: Callable, warmup: int = 1,
                note: str = "", predicted: int | None = None, reference: list | None = None,
-               keep_grads: bool = False) -> dict:
+               keep_grads: bool = False, config: Callable[[], Any] = contextlib.nullcontext,
+               budget: int | None = None) -> dict:
         if rows:
             save()
         res = run_steps(model, step, example, warmup, dev,
                         storage=not kind.startswith(("compile", "remat-compiled")) and dev.type == "cpu")
         loss, grads = res["first"]
+        # (a remat row: timed in turns with plain and with the fastest peer at its budget -- the
+        # peak of the peer it was planned at -- or below; at its own peak where it has no budget)
+        peer = None
+        if kind.startswith("remat"):
+            peer = fastest_peer(rows, max(res["peak_bytes"], budget or 0),
+                                PEER_KINDS if kind.startswith("remat-compiled") else EAGER_PEER_KINDS)
+        timed = training_step(model, step, timing_batch)
+        peer_s = None
         if not plain_first:
             plain_first.update(loss=loss, grads=grads, peak=res["peak_bytes"])
             plain_step.append(training_step(plain_model, eager(plain_model), timing_batch))
             s = plain_s = time_in_turns({"plain": plain_step[0]}, args.steps)["plain"]
         else:
-            s, plain_s = timed_against_plain(training_step(model, step, timing_batch), plain_step[0], args.steps, dev)
+            s, plain_s, peer_s = timed_against_plain(timed, plain_step[0], args.steps, dev,
+                                                     peer["_step"] if peer is not None else None)
+        for m_ in (model, peer["_model"] if peer is not None else None):   # (no gradients held between rows)
+            for p in m_.parameters() if m_ is not None else ():
+                p.grad = None
         row = {"case": args.case, "variant": variant, "kind": kind, "peak_bytes": res["peak_bytes"],
                "storage_peak_bytes": res["storage_peak_bytes"], "predicted_peak_bytes": predicted,
                "step_s": round(s, 5), "plain_step_s": round(plain_s, 5),
                "peak_over_plain": round(res["peak_bytes"] / plain_first["peak"], 4),
                "time_over_plain": round(s / plain_s, 3),
+               "peer": peer["variant"] if peer is not None else None,
+               "time_over_peer": round(s / peer_s, 3) if peer_s else None,
                "loss_diff": abs(loss - plain_first["loss"]), "max_grad_diff": grad_diff(grads, plain_first["grads"]),
                "grad_diff_vs_compile_1": grad_diff(grads, reference) if reference is not None else None,
                "note": note}
@@ -273,9 +316,12 @@ def main(argv=None) -> int:
         print(f"{variant:<40} peak {row['peak_over_plain']:.3f}x  time {row['time_over_plain']:.3f}x "
               f"({s:.3f} s, plain {plain_s:.3f} s)  grad diff {row['max_grad_diff']:.2e}"
               + (f" (vs budget 1: {row['grad_diff_vs_compile_1']:.2e})" if reference is not None else "")
+              + (f"  {row['time_over_peer']:.3f}x {peer['variant']}'s time, in turns" if peer_s else "")
               + f"  {note}", flush=True)
         if keep_grads:
             row["_grads"] = grads
+        if kind.startswith(PEER_KINDS):   # (kept to be timed against remat's rows, under its own `config`)
+            row["_step"], row["_model"] = in_config(config, timed), model
         return row
 
     def compiled_step(model: torch.nn.Module, backend: Any) -> Callable:
@@ -324,7 +370,8 @@ def main(argv=None) -> int:
             try:
                 with iconfig.patch(fallback_random=True):
                     row = record(f"remat-compiled-{backend}@{label}", f"remat-compiled-{backend}", m,
-                                 compiled_step(m, rc), warmup=2, reference=reference)
+                                 compiled_step(m, rc), warmup=2, reference=reference,
+                                 budget=budget if isinstance(budget, int) else None)
             except Exception as e:  # noqa: BLE001 - a budget that does not fit is a row's note
                 inner = getattr(e, "inner_exception", None) or e   # (dynamo wraps the backend's error)
                 print(f"remat-compiled-{backend}@{label}: {type(inner).__name__}: {str(inner).splitlines()[0]}",
@@ -343,6 +390,14 @@ def main(argv=None) -> int:
                 else ["aot_eager_decomp_partition"] + (["inductor"] if args.inductor else []))
     import torch._functorch.config as fconfig
     import torch._inductor.config as iconfig
+
+    @contextlib.contextmanager
+    def budget_config(b: float, solver: str):
+        """torch.compile's knob at `b` (a compile row's step runs, and after a dynamo reset
+        compiles again, under it)."""
+        with fconfig.patch(activation_memory_budget=b, activation_memory_budget_solver=solver), \
+                iconfig.patch(fallback_random=True):
+            yield
     for backend in backends:
         # budget 1 first: its gradients are the reference for the budgets below, drawn by the same
         # (decomposed) random ops, so a difference there is a recomputation's fresh randomness
@@ -351,12 +406,12 @@ def main(argv=None) -> int:
                                           for x in args.budgets.split(",")]:
             torch._dynamo.reset()
             m = copy.deepcopy(base)
-            with fconfig.patch(activation_memory_budget=b, activation_memory_budget_solver=solver), \
-                    iconfig.patch(fallback_random=True):
+            knob = functools.partial(budget_config, b, solver)
+            with knob():
                 try:
                     row = record(f"compile-{backend}-{solver}-{b:g}", f"compile-{backend}", m,
                                  compiled_step(m, backend),
-                                 warmup=2, reference=reference, keep_grads=reference is None)
+                                 warmup=2, reference=reference, keep_grads=reference is None, config=knob)
                 except Exception as e:  # noqa: BLE001 - a peer that fails is a row, not the end
                     print(f"compile-{backend}-{solver}-{b:g}: {type(e).__name__}: {e}", flush=True)
                     continue
@@ -384,7 +439,7 @@ def main(argv=None) -> int:
         predicted = planned.predicted if hasattr(planned, "predicted") else plan.predicted
         record(f"remat@{peer['variant']}", "remat", m, lambda batch, planned=planned: planned(*batch),
                note=f"{plan.solver.get('status')}, predicted {predicted['overhead']:.3f}x, {type(planned).__name__}",
-               predicted=predicted["peak_bytes"])
+               predicted=predicted["peak_bytes"], budget=int(peer["peak_bytes"]))
     m = copy.deepcopy(base)
     record("plain (again)", "plain", m, eager(m), note="a fresh copy against the first: the timing's noise")
     save(quiet=False)
