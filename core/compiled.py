@@ -21,12 +21,23 @@ to its last reader), and a node marked ``extra["in_place"]`` follows an ``into``
 its kernel reads last, of the same bytes and ``extra["layout"]``, not returned (it writes its
 result into that buffer); neither where the node is saved or returned.
 
+With a backend whose kernels keep an unsaved pointwise value in registers (inductor's fused
+pricing, `remat.frontends.compiled.OpTimes`), a node's time counts only the bytes its kernel
+moves whatever the tags; a forward node marked ``extra["load_s"]`` costs more where the program
+saves it: ``extra["store_s"]`` to write it in the forward, and ``extra["load_s"]`` for each
+generated kernel that reads it in the backward (``extra["loads"]``: its readers, those of them
+that are backward nodes or in R).  A program's time is its schedule's simulated time plus these
+(`boundary_time`): recomputing such a value inside its readers' kernels can then cost less than
+saving it, as inductor's own partition assumes.
+
 So each forward node runs at most twice: once in the forward, once (if in R) in the backward
 (an inlined one once per reader there).
 `compiled_schedule` writes that program as a `Schedule`, which `simulate` then prices: the
 plan's prediction is the simulation of what the partitioner builds, not of the solver's schedule.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from .graph import Graph
 from .schedule import Op, Schedule
@@ -199,13 +210,31 @@ def compiled_schedule(graph: Graph, recompute: set[int]) -> Schedule:
     return Schedule(ops)
 
 
+def boundary_time(graph: Graph, recompute: set[int]) -> float:
+    """Seconds the program of `recompute` spends writing and reading back the values it saves
+    that the node times leave out (module docstring): over the saved forward nodes marked
+    ``extra["load_s"]``, ``store_s + load_s x`` (their readers in ``extra["loads"]`` that are
+    backward nodes or recomputed)."""
+    R = normal(graph, recompute)
+    nodes, t = graph.nodes, 0.0
+    for v in saved_forward(graph, R):
+        e = nodes[v].extra
+        if "load_s" in e:
+            t += e["store_s"] + e["load_s"] * sum(1 for w in e["loads"] if nodes[w].kind == "backward" or w in R)
+    return t
+
+
 def program(graph: Graph, recompute: set[int]) -> tuple[Schedule, SimResult]:
-    """`compiled_schedule(graph, recompute)` and its simulation (a program the simulator rejects
-    is this module's error, raised: never priced)."""
+    """`compiled_schedule(graph, recompute)` and its simulation, its time with the saved values'
+    stores and loads (`boundary_time`) added (a program the simulator rejects is this module's
+    error, raised: never priced)."""
     sched = compiled_schedule(graph, recompute)
     res = simulate(graph, sched)
     if not res.valid:
         raise RuntimeError(f"remat.core.compiled: the program of a tag set is not a valid schedule ({res.violation})")
+    extra = boundary_time(graph, recompute)
+    if extra:
+        res = dataclasses.replace(res, time=res.time + extra, compute_time=res.compute_time + extra)
     return sched, res
 
 
@@ -221,7 +250,7 @@ def over(graph: Graph, recompute: set[int], budget_bytes: int) -> tuple[float, i
             above |= set(state.origin)
             above.add(op.node)
     state.settle()
-    return max(state.clock, state.xclock), state.peak + fixed, excess, above
+    return max(state.clock, state.xclock) + boundary_time(graph, recompute), state.peak + fixed, excess, above
 
 
 def saved_forward(graph: Graph, recompute: set[int]) -> set[int]:
@@ -293,11 +322,14 @@ def recomputable(graph: Graph) -> set[int]:
 
 def prune(graph: Graph, recompute: set[int], budget_bytes: int) -> set[int]:
     """`recompute` less every node (most expensive recomputation first) whose removal keeps the
-    program within `budget_bytes`."""
+    program within `budget_bytes` and does not make it slower (saving a value costs its stores
+    and loads: `boundary_time`)."""
     R = normal(graph, recompute)
+    t = over(graph, R, budget_bytes)[0]
     leads = sorted({graph.op_of[v] for v in R - backward_only(graph)}, key=lambda v: -graph.nodes[v].time)
     for v in leads:
         trial = R - with_parts(graph, {v})
-        if over(graph, trial, budget_bytes)[2] == 0:
-            R = trial
+        t2, _, excess, _ = over(graph, trial, budget_bytes)
+        if excess == 0 and t2 <= t:
+            R, t = trial, t2
     return R

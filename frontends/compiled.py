@@ -219,7 +219,9 @@ class OpTimes:
     graph was given, and the bytes it writes where an ATen kernel or the graph's output reads its
     result, at the device's elementwise rate, plus one operation per output element at its FLOP
     rate; a recomputed pointwise op inside the backward's kernel then costs about what
-    inductor's code spends on it, not what the eager op does."""
+    inductor's code spends on it, not what the eager op does.  What saving such an op's value
+    costs (its store, its loads in the backward) depends on the tags: `joint_graph` marks it on
+    the op's node (`remat.core.compiled.boundary_time`)."""
 
     _cache: dict = {}
 
@@ -870,6 +872,19 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "region",
         if d["kind"] == "forward" and d.get("follows") is not None:   # (among the backward ops)
             extra["follows"] = new_id[d["follows"]]
         extra["flops"] = d["flops"]
+        ops = [n for n in d["members"] if n.op == "call_function" and not is_alias(n)]
+        if (times.fused and d["kind"] == "forward" and not d["multi"] and ops and all(map(inductor_generates, ops))
+                and not extra.get("random")):
+            # (what saving it costs where inductor's kernels would otherwise not store it: the
+            # store in the forward, unless a kernel outside generated code reads it there anyway,
+            # and a load in each generated kernel that reads it in the backward: `boundary_time`;
+            # not for a random op, whose draw -- inductor's seeds -- is made once and saved)
+            mine = set(d["members"])
+            extra["loads"] = sorted({new_id[group[u]] for n in d["members"] for u in n.users
+                                     if u not in mine and group.get(u, STATIC) >= 0 and u.op == "call_function"
+                                     and not is_alias(u) and inductor_generates(u)})
+            extra["load_s"] = times.fm.time(0, int(d["bytes"]))
+            extra["store_s"] = 0.0 if _read_outside(head) else extra["load_s"]
         t = sum(times(n) for n in d["members"])
         # (a returned tensor is made while the op runs: its bytes are in the op's workspace too)
         nodes.append(Node(i, head.name, d["kind"], float(t), b, int(d["ws"]) + (own if made else 0), extra,

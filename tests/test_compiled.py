@@ -89,6 +89,32 @@ def test_a_node_the_backend_does_not_store_runs_inside_each_reader_and_what_it_r
     assert res.time == 7.0
 
 
+def test_saving_a_value_the_backends_kernels_would_not_store_costs_its_store_and_loads():
+    """A forward node marked ``load_s`` (inductor's fused pricing: its kernel's time counts no
+    store of it) costs, where the program saves it, ``store_s`` in the forward and ``load_s`` for
+    each of its readers in ``loads`` that runs in the backward (`compiled.boundary_time`);
+    recomputed inside those readers' kernels it costs neither.  The plan then recomputes it at
+    the keep-all budget where that is faster, and keeps it where it is not."""
+    from remat.core.graph import Graph, Node
+
+    def graph(load_s):
+        nodes = [Node(0, "a", "forward", 1.0, 4),
+                 Node(1, "u", "forward", 0.5, 10, extra={"inlined": True, "store_s": 0.75, "load_s": load_s,
+                                                         "loads": [2, 4, 5]}),
+                 Node(2, "f", "forward", 1.0, 1), Node(3, "loss", "loss", 0.0, 1),
+                 Node(4, "b1", "backward", 1.0, 5), Node(5, "b2", "backward", 1.0, 5)]
+        return Graph(nodes, [(0, 1), (1, 2), (2, 3), (3, 4), (1, 4), (4, 5), (1, 5)])
+    g = graph(0.75)
+    # saved: the schedule's 4.5 s, its store and a load in b1's and b2's kernels (f's is in the forward)
+    assert compiled.boundary_time(g, set()) == 2.25 and compiled.program(g, set())[1].time == 6.75
+    # recomputed inside b1 and b2: 4.5 s and u twice more, nothing stored
+    assert compiled.boundary_time(g, {1}) == 0 and compiled.program(g, {1})[1].time == 5.5
+    keep_all = compiled.program(g, set())[1].peak_bytes
+    p = remat.plan(g, keep_all, executor="compiled", time_limit=5)
+    assert p.predicted["recomputed"] == ["u"] and p.solver["objective"] == pytest.approx(5.5)
+    assert remat.plan(graph(0.1), keep_all, executor="compiled", time_limit=5).predicted["recomputed"] == []
+
+
 def test_a_node_the_backend_writes_in_place_takes_the_buffer_its_kernel_reads_last():
     """A node marked ``in_place`` (inductor writes its pointwise kernel's result into the buffer
     of an input it reads last, of its layout: `remat.frontends.compiled.writes_into`) follows an
@@ -308,6 +334,36 @@ def test_decomposed_steps_draw_the_random_numbers_of_torch_compiles_own_step(ref
     measured = measure(lambda: _step(c, x), meter="allocator", resident=list(m.parameters()) + [x]).peak_bytes
     assert measured == pytest.approx(region.program.peak_bytes, rel=0.02)
     assert measured <= region.budget_bytes * 1.02
+
+
+def test_a_saved_pointwise_value_is_priced_by_its_store_and_its_loads_in_the_backward():
+    """With inductor's fused pricing the joint graph marks a generated forward op that no ATen
+    kernel reads in the forward (tanh, read by a pointwise product) with its store and one load
+    per generated kernel that reads it (the product in the forward, tanh's backward formula):
+    saved, the program pays the store and the backward's load; recomputed, neither."""
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import default_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    from remat.frontends.compiled import OpTimes, joint_graph
+    box = {}
+
+    def capture(gm, joint_inputs, num_fwd_outputs, **kwargs):
+        box["g"] = joint_graph(gm, num_fwd_outputs, times=OpTimes(torch.device("cpu"), measure=False, codegen=True,
+                                                                  fused=True)).graph
+        return default_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    f = aot_function(lambda x, w: (torch.tanh(x @ w) * 2).sum(), fw_compiler=lambda g, _: g, partition_fn=capture,
+                     decompositions=select_decomp_table())
+    f(torch.randn(64, 64), torch.randn(64, 64, requires_grad=True)).backward()
+    g = box["g"]
+    by = {v.name: v for v in g.nodes}
+    tanh = by["tanh"]
+    assert "load_s" not in by["mm"].extra   # (an ATen kernel's output: its store is in its time)
+    assert tanh.extra["store_s"] == tanh.extra["load_s"] > 0
+    readers = {g.nodes[w].name for w in tanh.extra["loads"]}
+    assert readers == {"mul", "mul_2"} and by["mul_2"].extra.get("unclaimed")   # (1 - tanh^2's first op)
+    assert compiled.boundary_time(g, set()) == pytest.approx(2 * tanh.extra["load_s"])
+    assert compiled.boundary_time(g, {tanh.id}) == 0
 
 
 def test_ops_are_timed_only_where_their_made_up_tensors_fit_the_budget(monkeypatch):
