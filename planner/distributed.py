@@ -51,6 +51,7 @@ own way, and a CUDA step with attention dropout differs from one process's).
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 import weakref
@@ -72,6 +73,7 @@ from .partitioning import PartitionPlan
 RESHAPING = {"view", "reshape", "_unsafe_view", "expand"}
 MEANS = {"mean"}
 LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_forward"}
+log = logging.getLogger("remat.distributed")
 
 
 def parse_placement(text: str) -> Placement:
@@ -148,13 +150,16 @@ class CommCounter(TorchDispatchMode):
     """Bytes this rank sends in the functional collectives run under it (module docstring).  On
     a CPU (gloo) each waited collective's output is let go by gloo's worker before the step goes
     on (`released`): its owners then are the caller's, as many as a tensor no work holds has when
-    waited the same way (counted once as the counter is entered: `callers`)."""
+    waited the same way (counted once as the counter is entered: `callers`).  A wait that gives
+    up (`released` false: the output still held after `RELEASE_WAIT_S`) is counted in
+    `lingering` and said once, as a warning: that rank may then measure above its prediction."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
         self.calls: dict = {}
         self.callers: tuple[int, int] | None = None
+        self.lingering = 0
 
     def __enter__(self) -> "CommCounter":
         super().__enter__()
@@ -176,8 +181,12 @@ class CommCounter(TorchDispatchMode):
                 out = func(*args, **(kwargs or {}))
                 if self.callers is None:
                     self.callers = owners(args[0])
-                else:
-                    released(args[0], self.callers)
+                elif not released(args[0], self.callers):
+                    self.lingering += 1
+                    if self.lingering == 1:
+                        log.warning("remat.distributed: a collective's output (%d bytes) was still held %g s after its "
+                                    "wait (gloo's worker thread did not let go of it): this rank's measured peak may "
+                                    "be above its prediction", n, RELEASE_WAIT_S)
                 return out
         return func(*args, **(kwargs or {}))
 

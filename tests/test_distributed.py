@@ -185,6 +185,23 @@ def test_a_collectives_output_is_waited_for_until_its_last_other_owner_lets_go()
     assert 0.02 <= time.perf_counter() - t0 < 1.0
 
 
+def test_a_wait_that_gives_up_is_counted_and_said_once(caplog):
+    """Under `CommCounter` a waited output that some other owner still holds after the wait's
+    limit is counted (``lingering``) and warned about once per counter, not passed over."""
+    import logging
+
+    from remat.distributed import CommCounter
+    t = torch.empty(1000)
+    with CommCounter() as counter, caplog.at_level(logging.WARNING, logger="remat.distributed"):
+        torch.ops._c10d_functional.wait_tensor(t)        # (nothing else holds it)
+        assert counter.lingering == 0
+        holder = [t[:10]]
+        for _ in range(2):
+            torch.ops._c10d_functional.wait_tensor(t)
+    assert counter.lingering == 2 and holder
+    assert len([r for r in caplog.records if "still held" in r.getMessage()]) == 1
+
+
 def test_a_plan_for_another_world_size_says_so():
     from remat.distributed import PartitionedStep
     from remat.frontends.partitioning import capture_step

@@ -477,9 +477,11 @@ def test_neighbourhood_search_improves_on_the_shift_search(monkeypatch):
     # 12 residual blocks (75 nodes) at 0.4x: lookahead 180.5, its shift search 180, the instant
     # IP (HiGHS, time-limited) without path rows no better; freeing one region of the instant IP
     # around that plan finds 179 (step 0d), which fits.  (With its path rows the instant IP
-    # finds 178.5 itself, in 14 s, and leaves the search nothing to improve.)
+    # finds 178.5 itself, in 14 s, and leaves the search nothing to improve.  highspy 1.16 finds
+    # 179 without them in the instant IP's usual share of the time: here it gets 5 %, about 1 s.)
     pytest.importorskip("highspy")
     monkeypatch.setattr(paths, "add_path_rows", lambda *a, **k: {"rows": 0, "separated": 0, "rounds": 0, "lp": None})
+    monkeypatch.setattr(scalable, "INSTANT_HIGHS_SHARE", 0.05)
     g = residual_blocks(12, 0)
     budget = parse_budget("0.4x", g)
     s = scalable.solve(g, budget, swap=False, time_limit=40, threads=1)
