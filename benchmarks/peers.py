@@ -219,7 +219,7 @@ def fastest_peer(rows: list[dict], peak: int, kinds: tuple) -> dict | None:
     """The row of `kinds` (kind prefixes) with the least time over plain among those whose
     measured peak is at most `peak` (the issue's "fastest peer at that peak or below": `peak` is
     the budget a remat row was planned at, a peer's measured peak), or None."""
-    fits = [r for r in rows if r["kind"].startswith(kinds) and r["peak_bytes"] <= peak and "_step" in r]
+    fits = [r for r in rows if r["kind"].startswith(kinds) and r["peak_bytes"] <= peak]
     return min(fits, key=lambda r: r["time_over_plain"], default=None)
 
 
@@ -299,8 +299,8 @@ def main(argv=None) -> int:
         else:
             s, plain_s, peer_s = timed_against_plain(timed, plain_step[0], args.steps, dev,
                                                      peer["_step"] if peer is not None else None)
-        for m_ in (model, peer["_model"] if peer is not None else None):   # (no gradients held between rows)
-            for p in m_.parameters() if m_ is not None else ():
+        for m_ in [model] + ([peer["_model"]] if peer is not None else []):   # (no gradients held between rows)
+            for p in m_.parameters():
                 p.grad = None
         row = {"case": args.case, "variant": variant, "kind": kind, "peak_bytes": res["peak_bytes"],
                "storage_peak_bytes": res["storage_peak_bytes"], "predicted_peak_bytes": predicted,

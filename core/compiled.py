@@ -215,12 +215,15 @@ def boundary_time(graph: Graph, recompute: set[int]) -> float:
     that the node times leave out (module docstring): over the saved forward nodes marked
     ``extra["load_s"]``, ``store_s + load_s x`` (their readers in ``extra["loads"]`` that are
     backward nodes or recomputed)."""
-    R = normal(graph, recompute)
-    nodes, t = graph.nodes, 0.0
-    for v in saved_forward(graph, R):
-        e = nodes[v].extra
-        if "load_s" in e:
-            t += e["store_s"] + e["load_s"] * sum(1 for w in e["loads"] if nodes[w].kind == "backward" or w in R)
+    nodes = graph.nodes
+    marked = [v for v in nodes if "load_s" in v.extra]
+    if not marked:   # (every graph but inductor's: `over` calls this once per candidate)
+        return 0.0
+    R, t = normal(graph, recompute), 0.0
+    for v in marked:
+        readers = [w for w in v.extra["loads"] if nodes[w].kind == "backward" or w in R]
+        if v.id not in R and any(nodes[w].kind == "backward" or w in R for w in graph.succs[v.id]):   # (saved)
+            t += v.extra["store_s"] + v.extra["load_s"] * len(readers)
     return t
 
 
